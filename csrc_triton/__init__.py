@@ -1,0 +1,1 @@
+"""Triton kernels of vllm-router-ext (pure Triton + torch; no vLLM)."""

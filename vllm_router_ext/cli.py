@@ -1,0 +1,76 @@
+"""``--router-precision`` and ``--router-batch-invariant`` on vLLM's engine CLI.
+
+A general plugin gets no parser hook, but vLLM loads general plugins before it builds the engine
+arguments (``AsyncEngineArgs.add_cli_args``), so :func:`install_cli_flags` wraps
+``EngineArgs.add_cli_args`` (adds the flags) and ``EngineArgs.from_cli_args`` (copies the values
+into ``additional_config``, which reaches the engine core and every worker).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from vllm_router_ext.precision import (
+    CLI_BATCH_INVARIANT_KEY,
+    CLI_CONFIG_KEY,
+    RouterPrecision,
+)
+
+_MARK = "_vllm_router_ext_wrapped"
+
+
+def add_router_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the plugin's flags to a vLLM (or any argparse) parser; safe to call twice."""
+    if any(getattr(a, "dest", None) == "router_precision" for a in parser._actions):
+        return parser
+    group = parser.add_argument_group(
+        title="vllm-router-ext", description="MoE router GEMM precision (DeepSeek-V2 family)."
+    )
+    group.add_argument(
+        "--router-precision",
+        choices=RouterPrecision.choices(),
+        default=None,
+        help="MoE router GEMM precision: auto (per model), fp32, bf16-fp32out (fast, fp32 logits), "
+        "bf16 (stock vLLM).",
+    )
+    group.add_argument(
+        "--router-batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Make router logits bitwise independent of the batch (also on with VLLM_BATCH_INVARIANT=1).",
+    )
+    return parser
+
+
+def apply_router_cli_args(engine_args: Any, args: argparse.Namespace) -> Any:
+    """Copy the parsed flags into ``engine_args.additional_config``."""
+    updates = {}
+    if getattr(args, "router_precision", None) is not None:
+        updates[CLI_CONFIG_KEY] = args.router_precision
+    if getattr(args, "router_batch_invariant", None) is not None:
+        updates[CLI_BATCH_INVARIANT_KEY] = bool(args.router_batch_invariant)
+    if updates:
+        extra = engine_args.additional_config
+        engine_args.additional_config = {**(extra if isinstance(extra, dict) else {}), **updates}
+    return engine_args
+
+
+def install_cli_flags() -> None:
+    """Wrap ``EngineArgs.add_cli_args`` / ``from_cli_args`` once per process."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs.add_cli_args, _MARK, False):
+        return
+    original_add = EngineArgs.add_cli_args
+    original_from = EngineArgs.from_cli_args.__func__
+
+    def add_cli_args(parser, *a, **kw):
+        return add_router_cli_args(original_add(parser, *a, **kw))
+
+    def from_cli_args(cls, args: argparse.Namespace):
+        return apply_router_cli_args(original_from(cls, args), args)
+
+    setattr(add_cli_args, _MARK, True)
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    EngineArgs.from_cli_args = classmethod(from_cli_args)

@@ -1,0 +1,113 @@
+"""DeepSeek-V2-family model override: resolve the router settings once per model and hand them
+to the gates while vLLM builds the model. Everything else is the in-tree class, unchanged.
+
+Classes are built on first access (module ``__getattr__``) from the class vLLM itself would load,
+so the override follows vLLM's per-platform choice (e.g. DeepSeek-V3.2's CUDA model).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+
+import torch
+from vllm.logger import init_logger
+
+from vllm_router_ext.precision import RouterPrecision, RouterSettings, resolve_router_settings
+
+# Under "vllm." so vLLM's handlers and format apply.
+logger = init_logger(f"vllm.{__name__}")
+
+#: architecture -> (vLLM module, class) of the in-tree implementation this plugin wraps.
+IN_TREE_CLASSES: dict[str, tuple[str, str]] = {
+    "DeepseekForCausalLM": ("vllm.model_executor.models.deepseek_v2", "DeepseekForCausalLM"),
+    "DeepseekV2ForCausalLM": ("vllm.model_executor.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("vllm.model_executor.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("vllm.models.deepseek_v32", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("vllm.models.deepseek_v32", "GlmMoeDsaForCausalLM"),
+}
+
+
+def router_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The gates of ``model`` that this plugin owns."""
+    from vllm_router_ext.layers.gate import RouterGateLinear
+
+    return [
+        m for m in model.modules() if isinstance(m, RouterGateLinear) and m.router_settings is not None
+    ]
+
+
+def describe_implementation(settings: RouterSettings, device: torch.device, weight_dtype: torch.dtype) -> str:
+    if device.type != "cuda":
+        return f"plain torch on {device.type} (forward_native)"
+    from vllm_router_ext.ops.dispatch import describe_cuda_dispatch
+
+    return describe_cuda_dispatch(settings.precision, settings.batch_invariant, weight_dtype)
+
+
+class RouterPrecisionMixin:
+    """Mixed in front of an in-tree DeepSeek-family ``*ForCausalLM``."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        from vllm_router_ext.layers.gate import router_settings_scope
+
+        settings = resolve_router_settings(vllm_config)
+        for source, value in settings.overridden:
+            logger.warning(
+                "vllm-router-ext: router precision %s from %s overrides %s from %s",
+                settings.precision.value,
+                settings.source,
+                value,
+                source,
+            )
+        with router_settings_scope(settings):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.router_settings = settings
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = super().load_weights(weights)
+        self._log_router_settings()
+        if self.router_settings.batch_invariant:
+            from vllm_router_ext.selfcheck import check_batch_invariance
+
+            for gate in router_gates(self)[:1]:
+                check_batch_invariance(gate.router_gemm, gate.weight)
+        return loaded
+
+    def _log_router_settings(self) -> None:
+        gates = router_gates(self)
+        if not gates:
+            logger.info("vllm-router-ext: no router gates to own in this model")
+            return
+        by_settings: dict[tuple, list] = {}
+        for g in gates:
+            key = (g.router_settings, g.weight.dtype, g.weight.device, g.router_weight_kept_bf16)
+            by_settings.setdefault(key, []).append(g)
+        for (settings, wdtype, device, kept_bf16), group in by_settings.items():
+            weight_note = str(wdtype).replace("torch.", "")
+            if settings.precision is RouterPrecision.FP32:
+                weight_note += (
+                    " (kept: the checkpoint's values are exactly bf16)" if kept_bf16 else ""
+                )
+            logger.info(
+                "vllm-router-ext: %s; %d gate(s); weight %s; logits %s; implementation: %s",
+                settings.describe(),
+                len(group),
+                weight_note,
+                "float32" if settings.precision.logits_dtype == torch.float32 else "model dtype",
+                describe_implementation(settings, device, wdtype),
+            )
+
+
+def _build(arch: str) -> type:
+    module_name, class_name = IN_TREE_CLASSES[arch]
+    base = getattr(importlib.import_module(module_name), class_name)
+    cls = type(arch, (RouterPrecisionMixin, base), {"__module__": __name__, "__qualname__": arch})
+    globals()[arch] = cls
+    return cls
+
+
+def __getattr__(name: str) -> type:
+    if name in IN_TREE_CLASSES:
+        return _build(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

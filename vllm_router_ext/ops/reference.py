@@ -1,0 +1,114 @@
+"""fp64 references: router logits and DeepSeek-family expert selection, as vLLM routes them.
+
+Used by the tests, the benchmark and the audit command. Routing follows vLLM 0.32's
+``grouped_topk`` (DeepSeek-V3 ``noaux_tc``: sigmoid + ``e_score_correction_bias``, group score =
+sum of the top-2 biased scores; DeepSeek-V2: softmax, ``greedy`` or ``group_limited_greedy``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def reference_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp64 ``x @ weight.T`` on the CPU."""
+    return x.detach().double().cpu() @ weight.detach().double().cpu().T
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in fp64; ``inf`` if ``out`` holds a NaN or inf."""
+    o = out.detach().double().cpu()
+    if not torch.isfinite(o).all():
+        return float("inf")
+    denom = ref.norm().item()
+    return (o - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """The routing fields of a DeepSeek-family HF config."""
+
+    top_k: int
+    n_group: int = 1
+    topk_group: int = 1
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    renormalize: bool = False
+    routed_scaling_factor: float = 1.0
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> RoutingConfig:
+        return cls(
+            top_k=int(cfg["num_experts_per_tok"]),
+            n_group=int(cfg.get("n_group") or 1),
+            topk_group=int(cfg.get("topk_group") or 1),
+            scoring_func=cfg.get("scoring_func", "softmax"),
+            topk_method=cfg.get("topk_method", "greedy"),
+            renormalize=bool(cfg.get("norm_topk_prob", False)),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        )
+
+
+def select_experts(
+    logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ids ``[M, top_k]`` (sorted ascending) and their weights, computed in ``logits.dtype``
+    (pass fp64 logits for the reference). ``bias`` is ``e_score_correction_bias`` (noaux_tc)."""
+    if cfg.scoring_func == "sigmoid":
+        scores = logits.sigmoid()
+    elif cfg.scoring_func == "softmax":
+        scores = logits.softmax(dim=-1)
+    else:
+        raise ValueError(f"unsupported scoring_func {cfg.scoring_func!r}; allowed: sigmoid, softmax")
+    m, n = scores.shape
+    choice = scores if bias is None else scores + bias.to(scores.dtype).unsqueeze(0)
+    grouped = cfg.n_group > 1 and cfg.topk_method in ("noaux_tc", "group_limited_greedy")
+    if grouped:
+        g = choice.view(m, cfg.n_group, n // cfg.n_group)
+        if bias is not None:
+            group_scores = g.topk(2, dim=-1).values.sum(-1)
+        else:
+            group_scores = g.max(dim=-1).values
+        group_idx = group_scores.topk(cfg.topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        mask = mask.unsqueeze(-1).expand(m, cfg.n_group, n // cfg.n_group).reshape(m, n)
+        choice = choice.masked_fill(~mask, float("-inf"))
+    ids = choice.topk(cfg.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if cfg.renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    weights = weights * cfg.routed_scaling_factor
+    order = ids.argsort(dim=-1)
+    return ids.gather(1, order), weights.gather(1, order)
+
+
+def near_tie_mask(
+    logits_ref: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None, margin: float
+) -> torch.Tensor:
+    """Tokens whose fp64 selection would change under a perturbation of the logits of ``margin``:
+    the gap between the k-th and (k+1)-th selection score, at expert or group level, is within
+    ``2 * margin`` (in score units; sigmoid/softmax slopes are <= 1/4 and <= 1)."""
+    scores = logits_ref.sigmoid() if cfg.scoring_func == "sigmoid" else logits_ref.softmax(-1)
+    choice = scores if bias is None else scores + bias.double().unsqueeze(0)
+    m, n = choice.shape
+    tie = torch.zeros(m, dtype=torch.bool)
+    if cfg.n_group > 1 and cfg.topk_method in ("noaux_tc", "group_limited_greedy"):
+        g = choice.view(m, cfg.n_group, n // cfg.n_group)
+        gs = g.topk(2, dim=-1).values.sum(-1) if bias is not None else g.max(-1).values
+        top = gs.topk(min(cfg.topk_group + 1, cfg.n_group), dim=-1).values
+        if top.shape[1] > cfg.topk_group:
+            tie |= (top[:, cfg.topk_group - 1] - top[:, cfg.topk_group]) <= 4 * margin
+        group_idx = gs.topk(cfg.topk_group, dim=-1).indices
+        mask = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, group_idx, True)
+        mask = mask.unsqueeze(-1).expand(m, cfg.n_group, n // cfg.n_group).reshape(m, n)
+        choice = choice.masked_fill(~mask, float("-inf"))
+    top = choice.topk(cfg.top_k + 1, dim=-1).values
+    tie |= (top[:, cfg.top_k - 1] - top[:, cfg.top_k]) <= 2 * margin
+    return tie
+
+
+def changed_expert_sets(ids_a: torch.Tensor, ids_b: torch.Tensor) -> torch.Tensor:
+    """Per token: True where the two (sorted) expert sets differ."""
+    return (ids_a.cpu().long() != ids_b.cpu().long()).any(dim=-1)

@@ -1,0 +1,102 @@
+"""``router_gemm``: the one entry point every part of the plugin calls. Imports no vLLM.
+
+The op is registered with torch as ``torch.ops.router_ext.router_gemm`` (with a fake
+implementation), so the choice of kernel by the number of tokens happens *inside* an opaque op at
+run time: torch.compile and CUDA-graph capture never freeze a Python branch on ``x.shape[0]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_router_ext.ops.native import router_gemm_native
+from vllm_router_ext.precision import RouterPrecision
+
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPE_NAMES = "bfloat16, float16, float32"
+
+
+def check_router_gemm_inputs(x: torch.Tensor, weight: torch.Tensor, precision: RouterPrecision) -> None:
+    """Raise ``ValueError`` naming the bad value and what is allowed."""
+    if precision is RouterPrecision.AUTO:
+        raise ValueError(
+            "router_gemm needs a resolved precision, got 'auto'; allowed: "
+            + ", ".join(p for p in RouterPrecision.choices() if p != "auto")
+        )
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise ValueError("router_gemm expects tensors x [M, K] and weight [N, K]")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"x has K={x.shape[1]} but weight has K={weight.shape[1]} (x {tuple(x.shape)}, "
+            f"weight {tuple(weight.shape)})"
+        )
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; allowed: {_DTYPE_NAMES}")
+    if x.device != weight.device:
+        raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
+    if precision is RouterPrecision.BF16_FP32OUT and weight.dtype != torch.float32 and x.dtype != weight.dtype:
+        raise ValueError(
+            f"bf16-fp32out multiplies x and weight in one 16-bit dtype, got x {x.dtype} and "
+            f"weight {weight.dtype}"
+        )
+
+
+def router_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    precision: RouterPrecision | str,
+    *,
+    batch_invariant: bool = False,
+) -> torch.Tensor:
+    """Router logits ``x @ weight.T`` in the mode's logits dtype.
+
+    Args:
+        x: activations ``[M, K]`` (bf16, fp16 or fp32; any row stride).
+        weight: gate weight ``[N, K]`` (bf16/fp16, or fp32 for the ``fp32`` mode).
+        precision: a :class:`RouterPrecision` or its string value (``auto`` must be resolved).
+        batch_invariant: a row's logits are bitwise independent of the batch it is in.
+
+    Returns:
+        ``[M, N]``: fp32 for ``fp32`` and ``bf16-fp32out``, ``x.dtype`` for ``bf16``.
+    """
+    precision = RouterPrecision.parse(precision, "the precision argument")
+    check_router_gemm_inputs(x, weight, precision)
+    return torch.ops.router_ext.router_gemm(x, weight, precision.value, bool(batch_invariant))
+
+
+def _logits_dtype(x: torch.Tensor, precision: str) -> torch.dtype:
+    return x.dtype if precision == RouterPrecision.BF16.value else torch.float32
+
+
+def _router_gemm_cpu(x: torch.Tensor, weight: torch.Tensor, precision: str, batch_invariant: bool) -> torch.Tensor:
+    return router_gemm_native(x, weight, RouterPrecision(precision), batch_invariant)
+
+
+def _router_gemm_cuda(x: torch.Tensor, weight: torch.Tensor, precision: str, batch_invariant: bool) -> torch.Tensor:
+    from vllm_router_ext.ops.dispatch import router_gemm_cuda
+
+    return router_gemm_cuda(x, weight, RouterPrecision(precision), batch_invariant)
+
+
+def _router_gemm_fake(x: torch.Tensor, weight: torch.Tensor, precision: str, batch_invariant: bool) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=_logits_dtype(x, precision))
+
+
+def _register() -> None:
+    if hasattr(torch.ops.router_ext, "router_gemm"):
+        return
+    lib = torch.library.Library("router_ext", "FRAGMENT")
+    lib.define("router_gemm(Tensor x, Tensor weight, str precision, bool batch_invariant) -> Tensor")
+    lib.impl("router_gemm", _router_gemm_cpu, "CPU")
+    lib.impl("router_gemm", _router_gemm_cuda, "CUDA")
+    torch.library.register_fake("router_ext::router_gemm", _router_gemm_fake, lib=lib)
+    _LIBS.append(lib)  # a Library deregisters its ops when garbage-collected
+
+
+_LIBS: list[torch.library.Library] = []
+_register()

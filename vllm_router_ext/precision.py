@@ -1,0 +1,225 @@
+"""Router precision modes and their resolution order. Imports neither vLLM nor Triton.
+
+Resolution, first source that is set wins (``auto`` at any level means "not set here"):
+
+1. ``--router-precision`` on the vLLM command line (copied into ``additional_config``),
+2. ``--additional-config '{"router_precision": ...}'``,
+3. the environment variable ``VLLM_ROUTER_PRECISION``,
+4. the model's HF config key ``router_precision`` (settable with ``--hf-overrides``),
+5. vLLM's own HF config key ``moe_router_dtype: "float32"`` -> ``fp32``,
+6. the architecture table (``auto``): ``bf16-fp32out`` for the DeepSeek-V2 family; upgraded to
+   ``fp32`` at weight-load time when the checkpoint's gate weight is fp32 with values bf16 cannot
+   hold (see :func:`upgrade_auto_for_weight`).
+
+Batch invariance: ``--router-batch-invariant`` / ``additional_config["router_batch_invariant"]`` /
+vLLM's ``VLLM_BATCH_INVARIANT=1``.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+ENV_VAR = "VLLM_ROUTER_PRECISION"
+CONFIG_KEY = "router_precision"
+#: ``additional_config`` key that carries the command-line flag into every vLLM process.
+CLI_CONFIG_KEY = "router_precision_cli"
+BATCH_INVARIANT_KEY = "router_batch_invariant"
+CLI_BATCH_INVARIANT_KEY = "router_batch_invariant_cli"
+
+#: Architectures that vLLM 0.32 maps to ``deepseek_v2.py`` (Kimi-K2 and Mistral-Large-3 reuse the
+#: V3 class). ``auto`` resolves to ``bf16-fp32out`` for all of them.
+DEEPSEEK_V2_FAMILY: tuple[str, ...] = (
+    "DeepseekForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM",
+    "GlmMoeDsaForCausalLM",
+)
+
+
+class RouterPrecision(str, enum.Enum):
+    """How the router GEMM stores its weight, accumulates and stores its logits."""
+
+    AUTO = "auto"
+    FP32 = "fp32"
+    BF16_FP32OUT = "bf16-fp32out"
+    BF16 = "bf16"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def choices(cls) -> list[str]:
+        return [p.value for p in cls]
+
+    @classmethod
+    def parse(cls, value: Any, source: str = "value") -> RouterPrecision:
+        """Parse a user value; the error names the source and the allowed values."""
+        if isinstance(value, RouterPrecision):
+            return value
+        if isinstance(value, str):
+            text = value.strip().lower()
+            for p in cls:
+                if p.value == text:
+                    return p
+        raise ValueError(
+            f"invalid router precision {value!r} from {source}; "
+            f"allowed values: {', '.join(cls.choices())}"
+        )
+
+    @property
+    def logits_dtype(self) -> torch.dtype | None:
+        """dtype of the logits; ``None`` for bf16 (the activations' dtype, as stock vLLM)."""
+        if self in (RouterPrecision.FP32, RouterPrecision.BF16_FP32OUT):
+            return torch.float32
+        if self is RouterPrecision.AUTO:
+            raise ValueError("'auto' must be resolved before it has a logits dtype")
+        return None
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """The resolved router settings for one model, handed to every gate it builds."""
+
+    precision: RouterPrecision
+    source: str
+    batch_invariant: bool = False
+    batch_invariant_source: str = "default"
+    #: ``precision`` came from the architecture table and may still become fp32 when the
+    #: checkpoint's gate weight turns out to need it.
+    from_auto: bool = False
+    #: (source, value) pairs that were set but lost to a higher-precedence source.
+    overridden: tuple[tuple[str, str], ...] = field(default=())
+
+    def describe(self) -> str:
+        return (
+            f"router precision {self.precision.value} (from {self.source}), "
+            f"batch-invariant {'on' if self.batch_invariant else 'off'}"
+            f" (from {self.batch_invariant_source})"
+        )
+
+
+def _is_set(value: Any) -> bool:
+    return value is not None and not (isinstance(value, str) and value.strip().lower() in ("", "auto"))
+
+
+def resolve_router_precision(
+    *,
+    architecture: str | None,
+    cli: Any = None,
+    additional_config: Any = None,
+    env: Any = None,
+    hf_config: Any = None,
+    moe_router_dtype: Any = None,
+) -> tuple[RouterPrecision, str, bool, tuple[tuple[str, str], ...]]:
+    """Resolve one precision from its sources; pure function of its arguments.
+
+    Returns ``(precision, source, from_auto, overridden)``. Every set source is validated, also
+    those that lose, so a typo anywhere is an error rather than silently ignored.
+    """
+    candidates: list[tuple[str, RouterPrecision]] = []
+    for source, raw in (
+        ("--router-precision", cli),
+        (f"additional_config[{CONFIG_KEY!r}]", additional_config),
+        (f"environment variable {ENV_VAR}", env),
+        (f"HF config key {CONFIG_KEY!r}", hf_config),
+    ):
+        if _is_set(raw):
+            candidates.append((source, RouterPrecision.parse(raw, source)))
+    if moe_router_dtype is not None and str(moe_router_dtype) in ("float32", "torch.float32"):
+        candidates.append(("HF config moe_router_dtype='float32'", RouterPrecision.FP32))
+
+    if candidates:
+        source, precision = candidates[0]
+        overridden = tuple((s, p.value) for s, p in candidates[1:] if p is not precision)
+        return precision, source, False, overridden
+
+    if architecture in DEEPSEEK_V2_FAMILY:
+        return RouterPrecision.BF16_FP32OUT, f"auto: architecture {architecture}", True, ()
+    # Not a family we own: keep vLLM's behaviour (bf16 logits unless vLLM asks otherwise).
+    return RouterPrecision.BF16, f"auto: architecture {architecture} not in the DeepSeek-V2 family", True, ()
+
+
+def _parse_bool(value: Any, source: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"invalid router batch-invariant value {value!r} from {source}; allowed: true, false")
+
+
+def resolve_batch_invariant(
+    *, cli: Any = None, additional_config: Any = None, vllm_batch_invariant: bool = False
+) -> tuple[bool, str]:
+    """Batch invariance is on if any source asks for it; an explicit ``false`` cannot override
+    ``VLLM_BATCH_INVARIANT=1``, because the rest of vLLM is then batch-invariant too."""
+    if cli is not None and _parse_bool(cli, "--router-batch-invariant"):
+        return True, "--router-batch-invariant"
+    if additional_config is not None and _parse_bool(
+        additional_config, f"additional_config[{BATCH_INVARIANT_KEY!r}]"
+    ):
+        return True, f"additional_config[{BATCH_INVARIANT_KEY!r}]"
+    if vllm_batch_invariant:
+        return True, "VLLM_BATCH_INVARIANT=1"
+    return False, "default"
+
+
+def resolve_router_settings(vllm_config: Any) -> RouterSettings:
+    """Resolve the settings for the model in a ``VllmConfig`` (duck-typed: no vLLM import)."""
+    model_config = vllm_config.model_config
+    hf_config = model_config.hf_config
+    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    precision, source, from_auto, overridden = resolve_router_precision(
+        architecture=archs[0] if archs else None,
+        cli=extra.get(CLI_CONFIG_KEY),
+        additional_config=extra.get(CONFIG_KEY),
+        env=os.environ.get(ENV_VAR),
+        hf_config=getattr(hf_config, CONFIG_KEY, None),
+        moe_router_dtype=getattr(hf_config, "moe_router_dtype", None),
+    )
+    batch_invariant, bi_source = resolve_batch_invariant(
+        cli=extra.get(CLI_BATCH_INVARIANT_KEY),
+        additional_config=extra.get(BATCH_INVARIANT_KEY),
+        vllm_batch_invariant=os.environ.get("VLLM_BATCH_INVARIANT", "0").strip() not in ("", "0"),
+    )
+    return RouterSettings(
+        precision=precision,
+        source=source,
+        batch_invariant=batch_invariant,
+        batch_invariant_source=bi_source,
+        from_auto=from_auto,
+        overridden=overridden,
+    )
+
+
+def bf16_round_trip_exact(weight: torch.Tensor) -> bool:
+    """True when every value of ``weight`` survives a round trip through bf16 unchanged."""
+    if weight.dtype == torch.bfloat16:
+        return True
+    w = weight.detach()
+    return bool(torch.equal(w.to(torch.bfloat16).to(w.dtype), w))
+
+
+def upgrade_auto_for_weight(settings: RouterSettings, loaded_weight: torch.Tensor) -> RouterSettings:
+    """The last rule of ``auto``: an fp32 checkpoint gate that bf16 cannot hold selects ``fp32``."""
+    if not settings.from_auto or settings.precision is RouterPrecision.FP32:
+        return settings
+    if loaded_weight.dtype == torch.float32 and not bf16_round_trip_exact(loaded_weight):
+        return RouterSettings(
+            precision=RouterPrecision.FP32,
+            source="auto: checkpoint stores the gate weight in fp32 with values bf16 cannot hold",
+            batch_invariant=settings.batch_invariant,
+            batch_invariant_source=settings.batch_invariant_source,
+            from_auto=False,
+        )
+    return settings

@@ -1,0 +1,75 @@
+"""Functions for ``vllm.LLM.apply_model``: they run inside vLLM's worker processes, so they live
+in an importable module (workers unpickle them by reference)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_RECORD_ATTR = "_router_ext_probe_records"
+
+
+def gate_summary(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Every ``*.mlp.gate`` of the model: class, dtypes and the precision it runs."""
+    out = []
+    for name, m in model.named_modules():
+        if not name.endswith("mlp.gate"):
+            continue
+        bias = getattr(m, "e_score_correction_bias", None)
+        settings = getattr(m, "router_settings", None)
+        out.append(
+            {
+                "name": name,
+                "class": type(m).__name__,
+                "weight_dtype": str(m.weight.dtype),
+                "out_dtype": str(m.out_dtype),
+                "precision": None if settings is None else settings.precision.value,
+                "source": None if settings is None else settings.source,
+                "batch_invariant": None if settings is None else settings.batch_invariant,
+                "bias_dtype": None if bias is None else str(bias.dtype),
+                "weight": m.weight.detach().float().cpu().clone(),
+                "bias": None if bias is None else bias.detach().cpu().clone(),
+                "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+            }
+        )
+    return out
+
+
+def install_gate_recorders(model: torch.nn.Module) -> int:
+    """Record (input, logits) of every gate call and the expert ids vLLM's router picks."""
+    records: list[dict[str, Any]] = []
+    setattr(model, _RECORD_ATTR, records)
+    n = 0
+    for name, m in model.named_modules():
+        if name.endswith("mlp.gate"):
+
+            def hook(mod, args, output, name=name):
+                logits = output[0] if isinstance(output, tuple) else output
+                records.append(
+                    {
+                        "kind": "gate",
+                        "name": name,
+                        "x": args[0].detach().cpu().clone(),
+                        "logits": logits.detach().cpu().clone(),
+                    }
+                )
+
+            m.register_forward_hook(hook)
+            n += 1
+        router = getattr(m, "router", None)
+        if router is not None and hasattr(router, "select_experts") and not hasattr(router, "_probe"):
+            original = router.select_experts
+
+            def select_experts(*a, _orig=original, _name=name, **kw):
+                weights, ids = _orig(*a, **kw)
+                records.append({"kind": "router", "name": _name, "ids": ids.detach().cpu().clone()})
+                return weights, ids
+
+            router.select_experts = select_experts
+            router._probe = True
+    return n
+
+
+def collect_gate_records(model: torch.nn.Module) -> list[dict[str, Any]]:
+    return list(getattr(model, _RECORD_ATTR, []))

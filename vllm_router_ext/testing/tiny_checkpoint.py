@@ -1,0 +1,195 @@
+"""Build a tiny random DeepSeek-V3 checkpoint and a byte-level BPE tokenizer, fully offline.
+
+The checkpoint uses DeepSeek's original tensor names (what vLLM's ``deepseek_v2.py`` loads) and
+the MLA sizes vLLM's CPU backends accept (``kv_lora_rank + qk_rope_head_dim == 576``).
+
+    python -m vllm_router_ext.testing.tiny_checkpoint OUT_DIR [--gate-dtype float32] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+TINY_V3 = dict(
+    vocab_size=2048,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=2,
+    first_k_dense_replace=1,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=512,
+    q_lora_rank=96,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
+
+def _config_dict(arch: str, overrides: dict) -> dict:
+    cfg = dict(TINY_V3)
+    cfg.update(
+        architectures=[arch],
+        model_type="deepseek_v3",
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        num_nextn_predict_layers=0,
+        torch_dtype="bfloat16",
+        rope_theta=10000.0,
+        rope_scaling=None,
+        attention_bias=False,
+        use_cache=True,
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def _tensors(cfg: dict, gen: torch.Generator, gate_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    heads = cfg["num_attention_heads"]
+    qk_head = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    E, moe_i = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    bf16 = torch.bfloat16
+
+    def rand(*shape: int, dtype: torch.dtype = bf16) -> torch.Tensor:
+        fan_in = shape[-1]
+        return (torch.randn(*shape, generator=gen) / fan_in**0.5).to(dtype)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=bf16)
+
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(V, H) * 16}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = ones(H)
+        t[p + "post_attention_layernorm.weight"] = ones(H)
+        a = p + "self_attn."
+        t[a + "q_a_proj.weight"] = rand(cfg["q_lora_rank"], H)
+        t[a + "q_a_layernorm.weight"] = ones(cfg["q_lora_rank"])
+        t[a + "q_b_proj.weight"] = rand(heads * qk_head, cfg["q_lora_rank"])
+        t[a + "kv_a_proj_with_mqa.weight"] = rand(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], H)
+        t[a + "kv_a_layernorm.weight"] = ones(cfg["kv_lora_rank"])
+        t[a + "kv_b_proj.weight"] = rand(
+            heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), cfg["kv_lora_rank"]
+        )
+        t[a + "o_proj.weight"] = rand(H, heads * cfg["v_head_dim"])
+        m = p + "mlp."
+        if i < cfg["first_k_dense_replace"]:
+            t[m + "gate_proj.weight"] = rand(cfg["intermediate_size"], H)
+            t[m + "up_proj.weight"] = rand(cfg["intermediate_size"], H)
+            t[m + "down_proj.weight"] = rand(H, cfg["intermediate_size"])
+            continue
+        # Gate weights ~ N(0, 1/H): logits of O(1), so sigmoid scores sit close together and the
+        # bf16-vs-fp32 choice of experts is visible even in a model this small.
+        t[m + "gate.weight"] = rand(E, H, dtype=torch.float32).to(gate_dtype)
+        t[m + "gate.e_score_correction_bias"] = torch.randn(E, generator=gen) * 1e-3
+        for e in range(E):
+            x = f"{m}experts.{e}."
+            t[x + "gate_proj.weight"] = rand(moe_i, H)
+            t[x + "up_proj.weight"] = rand(moe_i, H)
+            t[x + "down_proj.weight"] = rand(H, moe_i)
+        n_sh = moe_i * cfg["n_shared_experts"]
+        t[m + "shared_experts.gate_proj.weight"] = rand(n_sh, H)
+        t[m + "shared_experts.up_proj.weight"] = rand(n_sh, H)
+        t[m + "shared_experts.down_proj.weight"] = rand(H, n_sh)
+    t["model.norm.weight"] = ones(H)
+    t["lm_head.weight"] = rand(V, H)
+    return t
+
+
+def _write_tokenizer(out: Path, vocab_size: int) -> None:
+    """Train a byte-level BPE on this Python installation's own stdlib sources (always local)."""
+    import os
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    stdlib = Path(os.__file__).parent
+    files = sorted(str(p) for p in stdlib.glob("*.py"))[:60]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|begin|>", "<|end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train(files, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin|>", eos_token="<|end|>", pad_token="<|end|>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    fast.save_pretrained(str(out))
+
+
+def build_tiny_deepseek_v3(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    gate_dtype: torch.dtype = torch.bfloat16,
+    arch: str = "DeepseekV3ForCausalLM",
+    config_overrides: dict | None = None,
+    tensor_overrides: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write config.json, model.safetensors (+ index) and a tokenizer into ``out_dir``."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = _config_dict(arch, config_overrides or {})
+    gen = torch.Generator().manual_seed(seed)
+    tensors = _tensors(cfg, gen, gate_dtype)
+    tensors.update(tensor_overrides or {})
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    index = {
+        "metadata": {"total_size": sum(v.numel() * v.element_size() for v in tensors.values())},
+        "weight_map": {k: "model.safetensors" for k in sorted(tensors)},
+    }
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 0, "eos_token_id": 1, "do_sample": False})
+    )
+    _write_tokenizer(out, cfg["vocab_size"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gate-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    args = p.parse_args(argv)
+    path = build_tiny_deepseek_v3(
+        args.out_dir, seed=args.seed, gate_dtype=getattr(torch, args.gate_dtype)
+    )
+    print(f"tiny DeepSeek-V3 checkpoint written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
