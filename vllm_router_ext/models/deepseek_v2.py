@@ -54,7 +54,7 @@ class RouterPrecisionMixin:
         settings = resolve_router_settings(vllm_config)
         for source, value in settings.overridden:
             logger.warning(
-                "vllm-router-ext: router precision %s from %s overrides %s from %s",
+                "vllm-router-ext: conflicting settings: %s from %s overrides %s from %s",
                 settings.precision.value,
                 settings.source,
                 value,

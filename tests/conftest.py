@@ -1,0 +1,106 @@
+"""Shared fixtures. GPU tests carry ``@pytest.mark.gpu`` and skip without CUDA; on a CPU machine
+the Triton kernels run under ``TRITON_INTERPRET=1`` (set here, before anything imports Triton)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("ROUTER_EXT_FORCE_GPU") != "1":
+    try:
+        import torch as _torch
+
+        _HAS_CUDA = _torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        _HAS_CUDA = False
+    if not _HAS_CUDA:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    _HAS_CUDA = True
+
+import torch  # noqa: E402
+
+HAS_CUDA = _HAS_CUDA
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def gen():
+    """A fresh, seeded-from-entropy generator per test; the seed is printed on failure."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"random seed: {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="session")
+def vllm_dist(tmp_path_factory):
+    """vLLM config + a 1-process gloo group, so vLLM layers can be built in-process (no engine)."""
+    import vllm_router_ext
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    vllm_router_ext.register()
+    cfg = VllmConfig()
+    ctx = set_current_vllm_config(cfg)
+    ctx.__enter__()
+    init_file = tmp_path_factory.mktemp("dist") / "init"
+    init_distributed_environment(
+        world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{init_file}", backend="gloo"
+    )
+    initialize_model_parallel(1, 1)
+    yield cfg
+    ctx.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
+
+    return build_tiny_deepseek_v3(tmp_path_factory.mktemp("ckpt") / "tiny-dsv3", seed=0)
+
+
+@pytest.fixture
+def run_offline(tmp_path):
+    """Run one ``vllm.LLM`` scenario in a subprocess; returns what the probe saved."""
+    from vllm_router_ext.testing.server import cpu_env
+
+    def run(model: Path, *, additional_config=None, hf_overrides=None, tp=1, env=None, timeout=600):
+        out = tmp_path / f"probe-{len(list(tmp_path.glob('probe-*')))}.pt"
+        e = cpu_env(tmp_path)
+        e.pop("TRITON_INTERPRET", None)
+        e["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships probe functions
+        if tp > 1:
+            e["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+        e.update(env or {})
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm_router_ext.testing.offline_probe",
+            str(model),
+            str(out),
+            "--additional-config",
+            json.dumps(additional_config or {}),
+            "--hf-overrides",
+            json.dumps(hf_overrides or {}),
+            "--tp",
+            str(tp),
+        ]
+        p = subprocess.run(cmd, env=e, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+        log = p.stdout + p.stderr
+        assert p.returncode == 0, f"offline vLLM run failed ({p.returncode}):\n{log[-6000:]}"
+        result = torch.load(out, weights_only=False)
+        result["log"] = log
+        return result
+
+    return run

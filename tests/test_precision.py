@@ -1,0 +1,148 @@
+"""Precision modes and their resolution order (no vLLM)."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_router_ext.precision import (
+    CLI_CONFIG_KEY,
+    CONFIG_KEY,
+    ENV_VAR,
+    RouterPrecision,
+    RouterSettings,
+    bf16_round_trip_exact,
+    resolve_batch_invariant,
+    resolve_router_precision,
+    resolve_router_settings,
+    upgrade_auto_for_weight,
+)
+
+# Precedence order, highest first, with the keyword resolve_router_precision takes.
+SOURCES = ["cli", "additional_config", "env", "hf_config"]
+CONCRETE = ["fp32", "bf16-fp32out", "bf16"]
+
+
+def test_values_are_exactly_the_documented_ones():
+    assert RouterPrecision.choices() == ["auto", "fp32", "bf16-fp32out", "bf16"]
+    assert RouterPrecision.FP32.logits_dtype == torch.float32
+    assert RouterPrecision.BF16_FP32OUT.logits_dtype == torch.float32
+    assert RouterPrecision.BF16.logits_dtype is None
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("value", CONCRETE)
+def test_each_source_alone(source, value):
+    p, src, from_auto, overridden = resolve_router_precision(
+        architecture="DeepseekV3ForCausalLM", **{source: value}
+    )
+    assert p.value == value and not from_auto and overridden == ()
+
+
+@pytest.mark.parametrize("hi,lo", list(itertools.combinations(SOURCES, 2)))
+def test_every_pair_of_conflicting_sources_higher_wins(hi, lo):
+    p, src, _, overridden = resolve_router_precision(
+        architecture="DeepseekV3ForCausalLM", **{hi: "fp32", lo: "bf16"}
+    )
+    assert p is RouterPrecision.FP32
+    assert len(overridden) == 1 and overridden[0][1] == "bf16"
+    # ...and the other way round.
+    p, _, _, overridden = resolve_router_precision(
+        architecture="DeepseekV3ForCausalLM", **{hi: "bf16", lo: "fp32"}
+    )
+    assert p is RouterPrecision.BF16 and overridden[0][1] == "fp32"
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_every_source_beats_moe_router_dtype(source):
+    p, _, _, overridden = resolve_router_precision(
+        architecture="DeepseekV3ForCausalLM", moe_router_dtype="float32", **{source: "bf16"}
+    )
+    assert p is RouterPrecision.BF16 and overridden == (("HF config moe_router_dtype='float32'", "fp32"),)
+
+
+def test_moe_router_dtype_beats_architecture_table():
+    p, src, from_auto, _ = resolve_router_precision(
+        architecture="DeepseekV3ForCausalLM", moe_router_dtype="float32"
+    )
+    assert p is RouterPrecision.FP32 and "moe_router_dtype" in src and not from_auto
+
+
+@pytest.mark.parametrize(
+    "arch",
+    ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"],
+)
+def test_architecture_table(arch):
+    p, src, from_auto, _ = resolve_router_precision(architecture=arch)
+    assert p is RouterPrecision.BF16_FP32OUT and from_auto and arch in src
+
+
+def test_auto_means_not_set_at_that_level():
+    p, src, _, _ = resolve_router_precision(architecture="DeepseekV3ForCausalLM", cli="auto", env="fp32")
+    assert p is RouterPrecision.FP32 and ENV_VAR in src
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_invalid_value_names_source_and_allowed(source):
+    with pytest.raises(ValueError) as e:
+        resolve_router_precision(architecture="DeepseekV3ForCausalLM", **{source: "fp16-ish"})
+    msg = str(e.value)
+    assert "'fp16-ish'" in msg and "fp32, bf16-fp32out, bf16" in msg
+    expected = {"cli": "--router-precision", "additional_config": CONFIG_KEY, "env": ENV_VAR, "hf_config": "HF config"}
+    assert expected[source] in msg
+
+
+def test_invalid_value_in_a_losing_source_is_still_an_error():
+    with pytest.raises(ValueError, match=ENV_VAR):
+        resolve_router_precision(architecture="DeepseekV3ForCausalLM", cli="fp32", env="nonsense")
+
+
+def _vllm_config(extra=None, hf=None, arch="DeepseekV3ForCausalLM"):
+    hf_config = SimpleNamespace(architectures=[arch], **(hf or {}))
+    return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config), additional_config=extra or {})
+
+
+def test_resolve_from_vllm_config_all_sources(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "bf16")
+    cfg = _vllm_config(
+        extra={CLI_CONFIG_KEY: "fp32", CONFIG_KEY: "bf16-fp32out"},
+        hf={"router_precision": "bf16", "moe_router_dtype": "float32"},
+    )
+    s = resolve_router_settings(cfg)
+    assert s.precision is RouterPrecision.FP32 and s.source == "--router-precision"
+    assert {v for _, v in s.overridden} == {"bf16-fp32out", "bf16"}
+    monkeypatch.delenv(ENV_VAR)
+    s = resolve_router_settings(_vllm_config(hf={"router_precision": "bf16"}))
+    assert s.precision is RouterPrecision.BF16 and "HF config" in s.source
+
+
+def test_batch_invariant_sources(monkeypatch):
+    assert resolve_batch_invariant() == (False, "default")
+    assert resolve_batch_invariant(cli=True)[0]
+    assert resolve_batch_invariant(additional_config="true")[0]
+    assert resolve_batch_invariant(vllm_batch_invariant=True) == (True, "VLLM_BATCH_INVARIANT=1")
+    with pytest.raises(ValueError, match="'maybe'.*allowed: true, false"):
+        resolve_batch_invariant(additional_config="maybe")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert resolve_router_settings(_vllm_config()).batch_invariant
+
+
+def test_bf16_round_trip_exactness(gen):
+    w = torch.randn(16, 64, generator=gen)
+    assert not bf16_round_trip_exact(w)
+    assert bf16_round_trip_exact(w.to(torch.bfloat16).float())
+    assert bf16_round_trip_exact(w.to(torch.bfloat16))
+
+
+def test_auto_upgrades_to_fp32_only_for_inexact_fp32_weights(gen):
+    auto = RouterSettings(RouterPrecision.BF16_FP32OUT, "auto: architecture X", from_auto=True)
+    w = torch.randn(8, 32, generator=gen)
+    up = upgrade_auto_for_weight(auto, w)
+    assert up.precision is RouterPrecision.FP32 and "fp32" in up.source
+    assert upgrade_auto_for_weight(auto, w.to(torch.bfloat16).float()) is auto
+    assert upgrade_auto_for_weight(auto, w.to(torch.bfloat16)) is auto
+    explicit = RouterSettings(RouterPrecision.BF16_FP32OUT, "--router-precision")
+    assert upgrade_auto_for_weight(explicit, w) is explicit  # an explicit choice is never changed

@@ -1,0 +1,113 @@
+"""Offline ``vllm.LLM`` on a tiny random DeepSeek-V3 (real vLLM, CPU build), one subprocess each."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vllm_router_ext.ops.reference import (
+    RoutingConfig,
+    near_tie_mask,
+    reference_logits,
+    relative_error,
+    select_experts,
+)
+
+pytestmark = pytest.mark.vllm
+
+# fp32 logits: fp32 accumulation of exact products (≈1e-7 relative); bf16: one bf16 rounding.
+LOGIT_TOL = {"fp32": 1e-5, "bf16-fp32out": 1e-5, "bf16": 1e-2}
+
+
+def _score_margin(mode: str, max_abs_logit: float) -> float:
+    """Largest change of a selection score that the mode's rounding can cause (score units):
+    the logit error times sigmoid's slope (<= 1/4), plus bf16 rounding of the score itself
+    (vLLM applies sigmoid in the logits' dtype)."""
+    if mode == "bf16":
+        return 2**-9 * max_abs_logit / 4 + 2**-9
+    return 1e-5 * max_abs_logit / 4 + 1e-7
+
+
+def _check_gate_records(result, model_dir, mode):
+    """Logits vs fp64 and vLLM's chosen experts vs the fp64 reference, token by token."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    routing = RoutingConfig.from_hf_config(cfg)
+    gate = {g["name"]: g for g in result["gates"][0]}
+    records = result["records"]
+    gate_recs = [r for r in records if r["kind"] == "gate"]
+    router_recs = [r for r in records if r["kind"] == "router"]
+    assert gate_recs and len(gate_recs) == len(router_recs)
+    tokens = compared = 0
+    for g, r in zip(gate_recs, router_recs, strict=True):
+        info = gate[g["name"]]
+        ref = reference_logits(g["x"], info["weight"])
+        assert g["logits"].dtype == (torch.bfloat16 if mode == "bf16" else torch.float32)
+        assert relative_error(g["logits"], ref) <= LOGIT_TOL[mode], g["name"]
+        ref_ids, _ = select_experts(ref, routing, info["bias"].double())
+        vllm_ids = r["ids"].long().sort(dim=-1).values
+        margin = _score_margin(mode, ref.abs().max().item())
+        ties = near_tie_mask(ref, routing, info["bias"], margin)
+        same = (vllm_ids == ref_ids).all(dim=-1)
+        assert same[~ties].all(), f"{(~same & ~ties).sum()} non-tied tokens routed differently"
+        tokens += len(same)
+        compared += int((~ties).sum())
+    # The tie mask must not hide the comparison: most tokens are compared (bf16's wider margin
+    # flags more of the 54 tokens as near-ties).
+    assert compared >= (0.75 if mode == "bf16" else 0.9) * tokens, (compared, tokens)
+
+
+@pytest.mark.parametrize(
+    "mode,expect,weight_dtype",
+    [
+        ("fp32", "fp32", "torch.bfloat16"),  # bf16 checkpoint: exact in bf16, so kept bf16
+        ("bf16-fp32out", "bf16-fp32out", "torch.bfloat16"),
+        ("bf16", "bf16", "torch.bfloat16"),
+        ("auto", "bf16-fp32out", "torch.bfloat16"),
+    ],
+)
+def test_each_mode_generates_and_routes_like_fp64(tiny_model, run_offline, mode, expect, weight_dtype):
+    result = run_offline(tiny_model, additional_config={"router_precision": mode})
+    assert all(len(t) > 0 for t in result["texts"])
+    (gates,) = result["gates"]
+    assert len(gates) == 1  # layer 0 is dense (first_k_dense_replace=1)
+    for g in gates:
+        assert g["class"] == "RouterGateLinear"
+        assert g["model_class"] == "vllm_router_ext.models.deepseek_v2.DeepseekV3ForCausalLM"
+        assert g["precision"] == expect
+        assert g["weight_dtype"] == weight_dtype
+        assert g["bias_dtype"] == "torch.float32"  # e_score_correction_bias stays fp32
+        assert g["out_dtype"] == ("None" if expect == "bf16" else "torch.float32")
+    _check_gate_records(result, tiny_model, expect)
+    lines = [ln for ln in result["log"].splitlines() if "vllm-router-ext: router precision" in ln]
+    assert len(lines) == 1 and f"router precision {expect}" in lines[0]
+
+
+def test_auto_selects_fp32_for_an_fp32_checkpoint_bf16_cannot_hold(tmp_path, run_offline):
+    from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
+
+    model = build_tiny_deepseek_v3(tmp_path / "fp32-gate", seed=3, gate_dtype=torch.float32)
+    result = run_offline(model)
+    (g,) = result["gates"][0]
+    assert g["precision"] == "fp32" and g["weight_dtype"] == "torch.float32"
+    assert "checkpoint stores the gate weight in fp32" in g["source"]
+    _check_gate_records(result, model, "fp32")
+
+
+def test_hf_overrides_and_env_sources_reach_the_workers(tiny_model, run_offline):
+    result = run_offline(tiny_model, hf_overrides={"router_precision": "bf16"})
+    assert result["gates"][0][0]["precision"] == "bf16"
+    result = run_offline(tiny_model, env={"VLLM_ROUTER_PRECISION": "fp32"})
+    (g,) = result["gates"][0]
+    assert g["precision"] == "fp32" and "VLLM_ROUTER_PRECISION" in g["source"]
+
+
+def test_tensor_parallel_2_both_ranks_use_the_resolved_precision(tiny_model, run_offline):
+    result = run_offline(tiny_model, additional_config={"router_precision": "fp32"}, tp=2)
+    assert len(result["gates"]) == 2
+    for rank_gates in result["gates"]:
+        assert [g["precision"] for g in rank_gates] == ["fp32"]
+        assert [g["out_dtype"] for g in rank_gates] == ["torch.float32"]
+    assert all(len(t) > 0 for t in result["texts"])
+    _check_gate_records(result, tiny_model, "fp32")

@@ -1,0 +1,168 @@
+"""Plugin wiring inside real vLLM (CPU build), in-process, no engine."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_router_ext.precision import CLI_BATCH_INVARIANT_KEY, CLI_CONFIG_KEY, RouterPrecision, RouterSettings
+
+PREFIX = "model.layers.3.mlp.gate"
+
+
+def _gate(input_size=64, output_size=8, prefix=PREFIX):
+    """Build a GateLinear the way a bf16 model does (vLLM sets the default dtype while building)."""
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_default_torch_dtype(torch.bfloat16):
+        return GateLinear(input_size, output_size, prefix=prefix)
+
+
+def test_entry_point_is_discovered_by_vllm():
+    eps = {ep.name: ep.value for ep in md.entry_points(group="vllm.general_plugins")}
+    assert eps.get("router_ext") == "vllm_router_ext:register"
+    from vllm.plugins import load_plugins_by_group
+
+    import vllm_router_ext
+
+    assert load_plugins_by_group("vllm.general_plugins")["router_ext"] is vllm_router_ext.register
+
+
+def test_register_is_idempotent_and_replaces_gate_linear(vllm_dist):
+    import vllm_router_ext
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    from vllm_router_ext.layers.gate import RouterGateLinear
+
+    vllm_router_ext.register()
+    vllm_router_ext.register()
+    assert op_registry_oot["GateLinear"] is RouterGateLinear
+    gate = _gate()
+    assert type(gate) is RouterGateLinear and isinstance(gate, GateLinear)
+
+
+def test_model_registry_points_deepseek_family_to_override(vllm_dist):
+    from vllm import ModelRegistry
+
+    for arch in ("DeepseekForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        entry = ModelRegistry.models[arch]
+        assert entry.module_name == "vllm_router_ext.models.deepseek_v2" and entry.class_name == arch
+    # Other MoE families are not ours.
+    assert ModelRegistry.models["Glm4MoeForCausalLM"].module_name.startswith("vllm.")
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM as InTree
+
+    from vllm_router_ext.models import deepseek_v2 as override
+
+    cls = override.DeepseekV3ForCausalLM
+    assert issubclass(cls, InTree) and cls.__mro__[1] is override.RouterPrecisionMixin
+
+
+def test_gate_outside_the_override_is_stock_vllm(vllm_dist, gen):
+    gate = _gate()
+    assert gate.router_settings is None and gate.out_dtype is None
+    assert not hasattr(gate, "router_gemm")
+    w = torch.randn(8, 64, generator=gen).to(torch.bfloat16)
+    gate.weight_loader(gate.weight, w)
+    assert torch.equal(gate.weight, w)
+    gate.quant_method.process_weights_after_loading(gate)
+    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    out, _ = gate(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-2, atol=1e-2)
+    # A non-gate GateLinear (e.g. gpt-oss's `router`) is never touched, even inside the scope.
+    from vllm_router_ext.layers.gate import router_settings_scope
+
+    with router_settings_scope(RouterSettings(RouterPrecision.FP32, "test")):
+        router = _gate(prefix="model.layers.0.mlp.router")
+    assert router.router_settings is None
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16-fp32out", "bf16"])
+def test_gate_in_scope_runs_the_mode(vllm_dist, gen, mode):
+    from vllm_router_ext.layers.gate import RouterGemm, router_settings_scope
+    from vllm_router_ext.ops.reference import reference_logits, relative_error
+
+    with router_settings_scope(RouterSettings(RouterPrecision(mode), "test")):
+        gate = _gate()
+    assert isinstance(gate.router_gemm, RouterGemm)
+    assert gate.out_dtype == (None if mode == "bf16" else torch.float32)
+    w = (torch.randn(8, 64, generator=gen) / 8).to(torch.bfloat16)
+    gate.weight_loader(gate.weight, w)
+    gate.quant_method.process_weights_after_loading(gate)
+    assert gate.weight.dtype == torch.bfloat16 and torch.equal(gate.weight, w)  # not repacked away
+    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    out, bias = gate(x)
+    assert bias is None
+    assert out.dtype == (torch.bfloat16 if mode == "bf16" else torch.float32)
+    assert relative_error(out, reference_logits(x, w)) <= (8e-3 if mode == "bf16" else 1e-6)
+
+
+@pytest.mark.parametrize(
+    "settings_precision,from_auto,weight_kind,expect_precision,expect_dtype",
+    [
+        ("bf16-fp32out", True, "fp32-inexact", "fp32", torch.float32),  # auto's fp32-checkpoint rule
+        ("bf16-fp32out", True, "fp32-exact", "bf16-fp32out", torch.bfloat16),
+        ("bf16-fp32out", True, "bf16", "bf16-fp32out", torch.bfloat16),
+        ("fp32", False, "fp32-inexact", "fp32", torch.float32),
+        ("fp32", False, "fp32-exact", "fp32", torch.bfloat16),  # kept bf16: round trip exact
+        ("fp32", False, "bf16", "fp32", torch.bfloat16),
+        ("bf16-fp32out", False, "fp32-inexact", "bf16-fp32out", torch.bfloat16),  # explicit: rounds
+    ],
+)
+def test_weight_storage_rules_at_load(vllm_dist, gen, settings_precision, from_auto, weight_kind, expect_precision, expect_dtype):
+    from vllm_router_ext.layers.gate import router_settings_scope
+    from vllm_router_ext.ops.reference import reference_logits, relative_error
+
+    settings = RouterSettings(RouterPrecision(settings_precision), "test", from_auto=from_auto)
+    with router_settings_scope(settings):
+        gate = _gate(128, 16)
+    w = torch.randn(16, 128, generator=gen) / 11.3
+    if weight_kind == "fp32-exact":
+        w = w.to(torch.bfloat16).float()
+    elif weight_kind == "bf16":
+        w = w.to(torch.bfloat16)
+    gate.weight_loader(gate.weight, w)
+    gate.quant_method.process_weights_after_loading(gate)
+    assert gate.router_precision.value == expect_precision
+    assert gate.weight.dtype == expect_dtype
+    x = torch.randn(9, 128, generator=gen).to(torch.bfloat16)
+    out, _ = gate(x)
+    ref_w = w if expect_precision == "fp32" else w.to(torch.bfloat16)
+    assert relative_error(out, reference_logits(x, ref_w)) <= 1e-6
+
+
+def test_cli_flags_in_vllm_serve_parser(vllm_dist):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    action = next(a for a in parser._actions if a.dest == "router_precision")
+    assert list(action.choices) == ["auto", "fp32", "bf16-fp32out", "bf16"] and action.help
+    args = parser.parse_args(["--model", "m", "--router-precision", "fp32", "--router-batch-invariant"])
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    assert engine_args.additional_config[CLI_CONFIG_KEY] == "fp32"
+    assert engine_args.additional_config[CLI_BATCH_INVARIANT_KEY] is True
+    # The flag merges with, and does not replace, a user's --additional-config.
+    args = parser.parse_args(
+        ["--model", "m", "--router-precision", "bf16", "--additional-config", '{"router_precision": "fp32"}']
+    )
+    extra = AsyncEngineArgs.from_cli_args(args).additional_config
+    assert extra == {"router_precision": "fp32", CLI_CONFIG_KEY: "bf16"}
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--model", "m", "--router-precision", "nonsense"])
+    assert e.value.code == 2
+
+
+def test_missing_vllm_api_gives_one_clear_error(monkeypatch):
+    from vllm_router_ext import MIN_VLLM, _plugin
+
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.fused_moe.router.gate_linear", None)
+    with pytest.raises(ImportError, match=f"needs vLLM >= {MIN_VLLM}"):
+        _plugin._check_vllm()

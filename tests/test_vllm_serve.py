@@ -1,0 +1,45 @@
+"""``vllm serve`` with the plugin's flag, on 127.0.0.1 (real vLLM, CPU build)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from vllm_router_ext.testing.server import cpu_env, precision_lines, start_server, vllm_command
+
+pytestmark = pytest.mark.vllm
+
+
+def test_serve_with_router_precision_answers_completions(tiny_model, tmp_path, monkeypatch):
+    # A lower-precedence source that disagrees: the flag wins, with one warning naming both.
+    monkeypatch.setenv("VLLM_ROUTER_PRECISION", "fp32")
+    server = start_server(tiny_model, tmp_path, "--router-precision", "bf16-fp32out")
+    try:
+        server.wait_healthy()
+        reply = server.complete("def fibonacci(n):", max_tokens=8)
+        assert reply["choices"][0]["text"] and reply["usage"]["completion_tokens"] == 8
+    finally:
+        assert server.stop() is not None
+    log = server.log()
+    lines = precision_lines(log)
+    assert len(lines) == 1
+    assert "router precision bf16-fp32out (from --router-precision)" in lines[0]
+    assert "logits float32" in lines[0]
+    warnings = [ln for ln in log.splitlines() if "overrides fp32 from environment variable" in ln]
+    assert len(warnings) == 1 and "bf16-fp32out" in warnings[0]
+    assert "'router_precision': 'bf16-fp32out'" in log  # vLLM's logged non-default args
+
+
+def test_serve_rejects_an_unknown_precision_with_exit_2(tiny_model, tmp_path):
+    p = subprocess.run(
+        [*vllm_command(), "serve", str(tiny_model), "--router-precision", "nonsense"],
+        env=cpu_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 2
+    assert "argument --router-precision: invalid choice: 'nonsense'" in p.stderr
+    assert "auto" in p.stderr and "bf16-fp32out" in p.stderr
+    assert "Traceback" not in p.stderr + p.stdout

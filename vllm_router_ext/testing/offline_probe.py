@@ -1,0 +1,59 @@
+"""Run one offline ``vllm.LLM`` scenario and save what the gates did, for the tests.
+
+    python -m vllm_router_ext.testing.offline_probe MODEL_DIR OUT.pt [--additional-config JSON]
+        [--tp N] [--hf-overrides JSON] [--max-tokens N]
+
+Saves ``{"texts", "gates": [per-rank gate summaries], "records": [rank-0 gate/router records]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\nclass Path",
+    "for i in range(10):",
+    "    return self._data[key]",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("out")
+    p.add_argument("--additional-config", default="{}")
+    p.add_argument("--hf-overrides", default="{}")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=6)
+    args = p.parse_args(argv)
+
+    import torch
+    from vllm import LLM, SamplingParams
+
+    from vllm_router_ext.testing import probes
+
+    llm = LLM(
+        model=args.model,
+        enforce_eager=True,
+        max_model_len=256,
+        dtype="bfloat16",
+        tensor_parallel_size=args.tp,
+        additional_config=json.loads(args.additional_config),
+        hf_overrides=json.loads(args.hf_overrides),
+        seed=0,
+    )
+    gates = llm.apply_model(probes.gate_summary)
+    llm.apply_model(probes.install_gate_recorders)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=args.max_tokens, temperature=0))
+    records = llm.apply_model(probes.collect_gate_records)[0]
+    torch.save(
+        {"texts": [o.outputs[0].text for o in outs], "gates": gates, "records": records}, args.out
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
