@@ -1,20 +1,89 @@
-"""CUDA dispatch of ``router_ext::router_gemm`` (runs inside the torch op, at run time)."""
+"""CUDA side of ``router_ext::router_gemm``: picks a kernel by M at run time, inside the op.
+
+- ``bf16-fp32out`` / ``bf16``: split-K Triton kernel at small M, tiled kernel at large M, cuBLAS
+  where the tuned table measured it faster on this GPU ("never slower than cuBLAS").
+- ``fp32``: the same kernels with promoted fp32 accumulation; an fp32 weight is split exactly
+  into three bf16 terms; fp32 activations use IEEE fp32 dots. Never TF32.
+- batch-invariant: one split-K config for every M (no switch of kernel, dtype or K split by M).
+"""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from vllm_router_ext.ops.native import router_gemm_native
 from vllm_router_ext.precision import RouterPrecision
+
+
+def dot_mode_for(x_dtype: torch.dtype, w_dtype: torch.dtype) -> int:
+    from csrc_triton.dot import DOT_IEEE, DOT_NATIVE, DOT_SPLIT3
+
+    if x_dtype == torch.float32 or (w_dtype == torch.float32 and x_dtype != torch.bfloat16):
+        return DOT_IEEE
+    if w_dtype == torch.float32:
+        return DOT_SPLIT3
+    return DOT_NATIVE
+
+
+@functools.lru_cache(maxsize=8)
+def _device_info(index: int) -> tuple[str, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.name, props.multi_processor_count
+
+
+def config_for(x: torch.Tensor, weight: torch.Tensor, precision: RouterPrecision, batch_invariant: bool):
+    from csrc_triton.configs import select_config
+
+    name, sms = _device_info(x.device.index or 0) if x.is_cuda else ("cpu-interpreter", 132)
+    return select_config(
+        x.shape[0], x.shape[1], weight.shape[0], precision.value, batch_invariant, name, sms
+    )
+
+
+def run_config(cfg, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, dot_mode: int) -> torch.Tensor:
+    """Launch one config into ``out`` (used by the dispatch, the tuner and the tests)."""
+    from csrc_triton.router_gemm_splitk import splitk_launch
+    from csrc_triton.router_gemm_tiled import tiled_launch
+
+    if cfg.kernel == "cublas":
+        return torch.mm(x, weight.T, out_dtype=torch.float32)
+    params = dict(cfg.params)
+    if cfg.kernel == "splitk":
+        if not params.get("promote_chunks"):
+            params["promote_chunks"] = params["k_per_split"] // params["block_k"]
+        return splitk_launch(x, weight, out, dot_mode=dot_mode, **params)
+    if cfg.kernel == "tiled":
+        return tiled_launch(x, weight, out, dot_mode=dot_mode, **params)
+    raise ValueError(f"unknown kernel {cfg.kernel!r}; allowed: splitk, tiled, cublas")
 
 
 def router_gemm_cuda(
     x: torch.Tensor, weight: torch.Tensor, precision: RouterPrecision, batch_invariant: bool
 ) -> torch.Tensor:
-    if precision is RouterPrecision.BF16_FP32OUT and weight.dtype != torch.float32 and not batch_invariant:
-        return torch.mm(x, weight.T, out_dtype=torch.float32)
-    return router_gemm_native(x, weight, precision, batch_invariant)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    out_dtype = x.dtype if precision is RouterPrecision.BF16 else torch.float32
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=out_dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    cfg = config_for(x, weight, precision, batch_invariant)
+    return run_config(cfg, x, weight, out, dot_mode_for(x.dtype, weight.dtype))
 
 
 def describe_cuda_dispatch(precision: RouterPrecision, batch_invariant: bool, weight_dtype: torch.dtype) -> str:
-    return "cuBLAS torch.mm(out_dtype=float32)"
+    """One line for the start-up log: which kernels run for which M on this GPU."""
+    from csrc_triton.configs import load_table, select_config
+
+    name, sms = _device_info(torch.cuda.current_device())
+    dot = {0: "16-bit MMA", 1: "fp32 weight split into 3 bf16 MMAs", 2: "IEEE fp32 dot"}[
+        dot_mode_for(torch.bfloat16, weight_dtype)
+    ]
+    if batch_invariant:
+        cfg = select_config(1, 7168, 256, precision.value, True, name, sms)
+        return f"batch-invariant {cfg.describe()} for every M ({dot}, {cfg.source})"
+    tuned = "tuned table" if load_table(name) else "heuristic configs (no tuned table for this GPU)"
+    promo = ", promoted fp32 accumulation" if precision is RouterPrecision.FP32 else ""
+    return f"triton split-K (small M) / tiled (large M) / cuBLAS where faster, by M at run time ({dot}{promo}; {tuned})"

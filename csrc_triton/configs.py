@@ -1,0 +1,97 @@
+"""Kernel configs: tuned tables (JSON per GPU, written by ``benchmarks/tune.py``) and a heuristic.
+
+A table maps a (K, N) shape and a mode to buckets ``{"max_m": int | null, "kernel": ..., params}``,
+looked up by the first bucket whose ``max_m`` >= M. ``kernel`` is ``splitk``, ``tiled`` or
+``cublas`` (bf16-fp32out only: where cuBLAS measured faster on that GPU). Batch-invariant tables
+hold exactly one split-K config for every M. Nothing here autotunes at run time.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+#: Launch parameters a table entry may carry; other keys ("us", "worst_ratio") are notes.
+PARAM_KEYS = ("block_m", "block_n", "block_k", "k_per_split", "promote_chunks", "group_m", "num_warps", "num_stages")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    kernel: str  # "splitk" | "tiled" | "cublas"
+    params: dict[str, Any] = field(default_factory=dict)
+    source: str = "heuristic"
+
+    def describe(self) -> str:
+        if self.kernel == "cublas":
+            return "cuBLAS"
+        keys = ("block_m", "block_n", "block_k", "k_per_split", "promote_chunks", "num_warps", "num_stages")
+        inner = ",".join(f"{k}={self.params[k]}" for k in keys if k in self.params)
+        return f"triton {self.kernel}({inner})"
+
+    def __hash__(self) -> int:
+        return hash((self.kernel, tuple(sorted(self.params.items())), self.source))
+
+
+def device_key(name: str) -> str:
+    """File-name key of a GPU: 'NVIDIA H200' -> 'nvidia_h200'."""
+    return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(device_name: str) -> dict[str, Any]:
+    path = CONFIG_DIR / f"{device_key(device_name)}.json"
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())
+
+
+def _fp32_promotion(block_k: int) -> int:
+    """Chunks per promoted MMA chain in the fp32 mode: chains of 128 along K."""
+    return max(1, 128 // block_k)
+
+
+def heuristic_config(m: int, k: int, n: int, mode: str, batch_invariant: bool, sm_count: int) -> KernelConfig:
+    """Default for shapes and GPUs without a tuned table; aims at >= 2 programs per SM at small M."""
+    fp32 = mode == "fp32"
+    if batch_invariant or m <= 64:
+        block_m = 64 if batch_invariant else 16
+        block_n = 32 if n >= 128 else 16
+        # Split K so that N/BLOCK_N * splits >= 2 * SMs, in multiples of 256.
+        n_blocks = -(-n // block_n)
+        splits = max(1, min(k // 256, -(-2 * sm_count // n_blocks)))
+        k_per_split = max(256, -(-k // splits + 255) // 256 * 256)
+        block_k = 128 if not fp32 else 64
+        promote = _fp32_promotion(block_k) if fp32 else 0
+        return KernelConfig(
+            "splitk",
+            dict(block_m=block_m, block_n=block_n, block_k=block_k, k_per_split=k_per_split,
+                 promote_chunks=promote, num_warps=4, num_stages=1),
+        )
+    block_m = 64 if m <= 1024 else 128
+    block_k = 64
+    return KernelConfig(
+        "tiled",
+        dict(block_m=block_m, block_n=128 if n >= 128 else 64, block_k=block_k,
+             promote_chunks=_fp32_promotion(block_k) if fp32 else 0, group_m=8, num_warps=8 if block_m == 128 else 4,
+             num_stages=3),
+    )
+
+
+def select_config(
+    m: int, k: int, n: int, mode: str, batch_invariant: bool, device_name: str, sm_count: int
+) -> KernelConfig:
+    table_mode = "fp32" if mode == "fp32" else "bf16-fp32out"
+    entry = load_table(device_name).get("shapes", {}).get(f"{k}x{n}", {})
+    key = f"{table_mode}/batch_invariant" if batch_invariant else table_mode
+    for bucket in entry.get(key, []):
+        if bucket["max_m"] is None or m <= bucket["max_m"]:
+            params = {p: v for p, v in bucket.items() if p in PARAM_KEYS}
+            if bucket["kernel"] == "cublas" and mode != "bf16-fp32out":
+                break  # cuBLAS has no fp32-accurate or bf16-out equivalent here
+            return KernelConfig(bucket["kernel"], params, source=f"tuned {device_key(device_name)}")
+    return heuristic_config(m, k, n, mode, batch_invariant, sm_count)

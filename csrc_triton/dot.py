@@ -1,0 +1,52 @@
+"""The multiply-accumulate step shared by the router GEMM kernels.
+
+``DOT_MODE`` (constexpr):
+  0 ``DOT_NATIVE``: 16-bit x 16-bit tensor-core MMA with fp32 accumulation (bf16 or fp16).
+  1 ``DOT_SPLIT3``: fp32 weight split exactly into three bf16 terms (hi + mid + lo, 8 significant
+    bits each = fp32's 24) and three bf16 MMAs; every product is exact in fp32.
+  2 ``DOT_IEEE``: fp32 operands, ``input_precision="ieee"`` (never TF32), for fp32 activations.
+
+``UPCAST`` (constexpr) is set only under ``TRITON_INTERPRET=1``: the interpreter multiplies bf16
+bit patterns in ``tl.dot`` (triton-lang/triton#11584, unsupported), while bf16 -> fp32 casts are
+exact, so each 16-bit operand is upcast right before its ``tl.dot`` and multiplied in IEEE fp32.
+Everything else (loads, masks, the weight split, promotion, stores) is the GPU code path.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+DOT_NATIVE = 0
+DOT_SPLIT3 = 1
+DOT_IEEE = 2
+
+
+def interpreting() -> bool:
+    """True under Triton's interpreter (read at launch time, so tests can set it per process)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _dot16(a, b, acc, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def mma(a, b, acc, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b`` with a [BM, BK] activations, b [BK, BN] weight (transposed view)."""
+    if DOT_MODE == 0:
+        return _dot16(a, b, acc, UPCAST)
+    elif DOT_MODE == 1:
+        hi = b.to(tl.bfloat16)
+        r = b - hi.to(tl.float32)  # exact: hi is the nearest bf16
+        mid = r.to(tl.bfloat16)
+        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)  # exact: <= 8 significant bits remain
+        a16 = a.to(tl.bfloat16)
+        acc = _dot16(a16, lo, acc, UPCAST)  # smallest terms first
+        acc = _dot16(a16, mid, acc, UPCAST)
+        return _dot16(a16, hi, acc, UPCAST)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")

@@ -1,0 +1,157 @@
+"""Split-K router GEMM for small M (decode) and for batch-invariant routing.
+
+Invariant: every output element is reduced over K in one order fixed by (K_PER_SPLIT, BLOCK_K,
+PROMOTE_CHUNKS) alone: split s covers K[s*K_PER_SPLIT, (s+1)*K_PER_SPLIT) in BLOCK_K chunks, each
+split's fp32 partial is written to a workspace, and a second kernel adds the partials in split
+order 0, 1, ..., S-1. No atomics. Rows never interact, so with one config for every M the result
+of a row does not depend on the batch it is in (the batch-invariant path uses exactly that).
+
+Why split-K: at decode sizes the GEMM is bound by reading the [N, K] weight once. Splitting N *and*
+K gives enough programs to fill every SM, and each program loads its whole weight slice in
+unrolled chunks, so many bytes are in flight per SM (memory-level parallelism is what a small-M
+kernel has to get right).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from csrc_triton.dot import interpreting, mma
+
+
+@triton.jit
+def _splitk_partials_kernel(
+    x_ptr,
+    w_ptr,
+    part_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ps,
+    stride_pm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr,
+    PROMOTE_CHUNKS: tl.constexpr,
+    DOT_MODE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_begin = pid_s * K_PER_SPLIT
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Promotion: PROMOTE_CHUNKS chunks go through one short MMA chain into `part`, which is then
+    # added into the fp32 register accumulator `acc` (keeps tensor-core accumulation chains short).
+    for c in tl.static_range(0, K_PER_SPLIT // (BLOCK_K * PROMOTE_CHUNKS)):
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(PROMOTE_CHUNKS):
+            offs_k = k_begin + (c * PROMOTE_CHUNKS + j) * BLOCK_K + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(w_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            part = mma(a, b, part, DOT_MODE, UPCAST)
+        acc += part
+
+    p = part_ptr + pid_s * stride_ps + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
+    tl.store(p, acc.to(part_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    part_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_ps,
+    stride_om,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: split 0, 1, ..., S-1
+        acc += tl.load(part_ptr + s * stride_ps + offs, mask=mask, other=0.0)
+    m = offs // N
+    n = offs % N
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_REDUCE_BLOCK = 1024
+
+
+def splitk_launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    k_per_split: int,
+    promote_chunks: int,
+    dot_mode: int,
+    num_warps: int = 4,
+    num_stages: int = 1,
+) -> torch.Tensor:
+    """Write ``x @ w.T`` into ``out`` [M, N] (any float dtype). x, w: unit stride along K."""
+    M, K = x.shape
+    N = w.shape[0]
+    if M == 0:
+        return out
+    assert k_per_split % (block_k * promote_chunks) == 0, "K_PER_SPLIT must hold whole promotions"
+    split_k = triton.cdiv(K, k_per_split)
+    grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))
+    if split_k == 1 and out.stride(1) == 1:
+        # One split: the partial *is* the result; store it (cast to out's dtype) directly.
+        part, stride_ps = out, 0
+    else:
+        part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
+        stride_ps = part.stride(0)
+    _splitk_partials_kernel[grid](
+        x,
+        w,
+        part,
+        M,
+        N,
+        K,
+        x.stride(0),
+        w.stride(0),
+        stride_ps,
+        part.stride(-2),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        K_PER_SPLIT=k_per_split,
+        PROMOTE_CHUNKS=promote_chunks,
+        DOT_MODE=dot_mode,
+        UPCAST=interpreting(),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if part is not out:
+        _splitk_reduce_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](
+            part, out, M, N, stride_ps, out.stride(0), SPLIT_K=split_k, BLOCK=_REDUCE_BLOCK, num_warps=4
+        )
+    return out
+
+
+def router_gemm_splitk(
+    x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32, **config
+) -> torch.Tensor:
+    """Public entry: allocate ``out`` [M, N] of ``out_dtype`` and run :func:`splitk_launch`."""
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=out_dtype, device=x.device)
+    return splitk_launch(x, w, out, **config)

@@ -1,0 +1,126 @@
+"""Triton kernels against an fp64 reference. On CPU they run under TRITON_INTERPRET=1 (conftest)
+on small shapes, through the same launchers, masks and dispatch as on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from csrc_triton.configs import KernelConfig, heuristic_config, select_config
+from csrc_triton.dot import DOT_IEEE, DOT_NATIVE, DOT_SPLIT3
+from vllm_router_ext.ops.dispatch import dot_mode_for, router_gemm_cuda, run_config
+from vllm_router_ext.ops.reference import reference_logits, relative_error
+from vllm_router_ext.precision import RouterPrecision
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+SPLITK = KernelConfig("splitk", dict(block_m=16, block_n=16, block_k=32, k_per_split=128, promote_chunks=0))
+SPLITK_PROMOTED = KernelConfig("splitk", dict(block_m=16, block_n=16, block_k=32, k_per_split=128, promote_chunks=2))
+TILED = KernelConfig("tiled", dict(block_m=16, block_n=32, block_k=32, promote_chunks=0, group_m=2, num_warps=4, num_stages=2))
+TILED_PROMOTED = KernelConfig("tiled", dict(block_m=16, block_n=32, block_k=32, promote_chunks=2, group_m=2, num_warps=4, num_stages=2))
+CONFIGS = {"splitk": SPLITK, "splitk-promoted": SPLITK_PROMOTED, "tiled": TILED, "tiled-promoted": TILED_PROMOTED}
+
+
+def _inputs(gen, m, k, n, w_dtype=torch.bfloat16, row_stride=None):
+    row_stride = row_stride or k
+    xs = torch.randn(m, row_stride, generator=gen).to(torch.bfloat16)
+    x = xs[:, :k]  # non-contiguous when row_stride > k
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(w_dtype)
+    return x.to(DEV), w.to(DEV)
+
+
+def _poisoned(m, n, dtype):
+    return torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("m", [0, 1, 3, 17, 33])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_fp64_and_writes_every_element(gen, name, m, out_dtype):
+    k, n = 300, 40  # neither a multiple of the block sizes
+    x, w = _inputs(gen, m, k, n, row_stride=320)
+    out = _poisoned(m, n, out_dtype)
+    run_config(CONFIGS[name], x, w, out, DOT_NATIVE)
+    assert not out.isnan().any(), "an output element was not written"
+    tol = 1e-5 if out_dtype == torch.float32 else 8e-3
+    if m:
+        assert relative_error(out, reference_logits(x, w)) <= tol
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("dot_mode", [DOT_SPLIT3, DOT_IEEE])
+def test_genuinely_fp32_weight_is_exact(gen, name, dot_mode):
+    x, w = _inputs(gen, 9, 256, 48, w_dtype=torch.float32)
+    assert not torch.equal(w.to(torch.bfloat16).float(), w)
+    out = _poisoned(9, 48, torch.float32)
+    run_config(CONFIGS[name], x, w, out, dot_mode)
+    assert relative_error(out, reference_logits(x, w)) <= 1e-6
+
+
+def test_dot_mode_selection():
+    assert dot_mode_for(torch.bfloat16, torch.bfloat16) == DOT_NATIVE
+    assert dot_mode_for(torch.float16, torch.float16) == DOT_NATIVE
+    assert dot_mode_for(torch.bfloat16, torch.float32) == DOT_SPLIT3
+    assert dot_mode_for(torch.float32, torch.float32) == DOT_IEEE
+    assert dot_mode_for(torch.float16, torch.float32) == DOT_IEEE
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16-fp32out", "bf16"])
+@pytest.mark.parametrize("m", [1, 5, 70])
+def test_dispatch_end_to_end(gen, mode, m):
+    """The op's CUDA dispatch (heuristic configs here) on every mode, M below/above buckets."""
+    x, w = _inputs(gen, m, 512, 48)
+    out = router_gemm_cuda(x, w, RouterPrecision(mode), batch_invariant=False)
+    assert out.dtype == (torch.bfloat16 if mode == "bf16" else torch.float32)
+    assert relative_error(out, reference_logits(x, w)) <= (8e-3 if mode == "bf16" else 1e-5)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16-fp32out"])
+def test_batch_invariant_needle_through_dispatch(gen, mode):
+    k, n = 512, 48
+    needle, w = _inputs(gen, 1, k, n)
+    alone = router_gemm_cuda(needle, w, RouterPrecision(mode), batch_invariant=True)
+    for m in (1, 2, 3, 17, 65):
+        for pos in sorted({0, 1, m // 2, m - 1} & set(range(m))):
+            x, _ = _inputs(gen, m, k, n)
+            x[pos] = needle[0]
+            out = router_gemm_cuda(x, w, RouterPrecision(mode), batch_invariant=True)
+            assert torch.equal(out[pos : pos + 1], alone), (m, pos)
+
+
+def test_heuristic_configs_are_well_formed():
+    for m in (1, 16, 64, 65, 4096):
+        for bi in (False, True):
+            for mode in ("fp32", "bf16-fp32out"):
+                cfg = heuristic_config(m, 7168, 256, mode, bi, 132)
+                p = cfg.params
+                if cfg.kernel == "splitk":
+                    chunks = p["promote_chunks"] or p["k_per_split"] // p["block_k"]
+                    assert p["k_per_split"] % (p["block_k"] * chunks) == 0
+                    assert (256 // p["block_n"]) * (7168 // p["k_per_split"]) >= 132 or bi
+                assert cfg.kernel == ("splitk" if bi or m <= 64 else "tiled")
+    # Batch invariance: one config for every M.
+    assert len({heuristic_config(m, 7168, 256, "fp32", True, 132) for m in (1, 17, 4096)}) == 1
+
+
+def test_tuned_table_lookup(monkeypatch):
+    import csrc_triton.configs as c
+
+    table = {
+        "shapes": {
+            "7168x256": {
+                "bf16-fp32out": [
+                    {"max_m": 16, "kernel": "splitk", "block_m": 16, "block_n": 16, "block_k": 128, "k_per_split": 512},
+                    {"max_m": 512, "kernel": "cublas"},
+                    {"max_m": None, "kernel": "tiled", "block_m": 128, "block_n": 128, "block_k": 64},
+                ]
+            }
+        }
+    }
+    monkeypatch.setattr(c, "load_table", lambda name: table)
+    assert select_config(8, 7168, 256, "bf16-fp32out", False, "GPU", 132).kernel == "splitk"
+    assert select_config(100, 7168, 256, "bf16-fp32out", False, "GPU", 132).kernel == "cublas"
+    assert select_config(9000, 7168, 256, "bf16-fp32out", False, "GPU", 132).kernel == "tiled"
+    # cuBLAS never serves the fp32 mode or the bf16 mode: fall back to the heuristic.
+    assert select_config(100, 7168, 256, "bf16", False, "GPU", 132).kernel != "cublas"
+    assert select_config(100, 7168, 256, "fp32", False, "GPU", 132).source == "heuristic"

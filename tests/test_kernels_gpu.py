@@ -1,0 +1,126 @@
+"""GPU checks of the router GEMM (``gpu`` marker; run on the device machine, skipped on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_router_ext.benchmarking import SHAPES
+from vllm_router_ext.ops import router_gemm
+from vllm_router_ext.ops.dispatch import config_for, dot_mode_for, run_config
+from vllm_router_ext.ops.reference import changed_expert_sets, select_experts
+from vllm_router_ext.precision import RouterPrecision
+
+pytestmark = pytest.mark.gpu
+
+MS = [0, 1, 3, 17, 255, 4097]
+NEEDLE_MS = [1, 2, 3, 8, 16, 17, 64, 255, 256, 1024, 4096, 16384]
+
+
+def _rel(out, x, w):
+    ref = x.double() @ w.double().T
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _xw(m, shape, w_dtype=torch.bfloat16, row_stride=None):
+    k = shape.k
+    xs = torch.randn(m, row_stride or k, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(shape.n, k, device="cuda") / k**0.5).to(w_dtype)
+    return xs[:, :k], w
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("mode", ["bf16-fp32out", "fp32", "bf16"])
+def test_every_shape_and_m_poisoned_and_accurate(shape, mode):
+    prec = RouterPrecision(mode)
+    for m in MS:
+        x, w = _xw(m, shape, row_stride=shape.k + 64)  # non-contiguous rows
+        cfg = config_for(x, w, prec, False)
+        out_dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+        out = torch.full((m, shape.n), float("nan"), dtype=out_dtype, device="cuda")
+        res = run_config(cfg, x.contiguous() if cfg.kernel == "cublas" else x, w, out, dot_mode_for(x.dtype, w.dtype))
+        assert not res.isnan().any(), (m, cfg.describe())
+        via_op = router_gemm(x, w, mode)
+        assert via_op.dtype == out_dtype and via_op.shape == (m, shape.n)
+        if m:
+            tol = {"fp32": 1e-6, "bf16-fp32out": 1e-5, "bf16": 8e-3}[mode]
+            assert _rel(via_op, x, w) <= tol, (m, cfg.describe())
+
+
+@pytest.mark.parametrize("m", [0, 1, 7, 16, 300, 4096, 16384])
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32], ids=["bf16-weight", "fp32-weight"])
+def test_fp32_mode_accuracy(m, w_dtype):
+    x, w = _xw(m, SHAPES[0], w_dtype=w_dtype)
+    out = router_gemm(x, w, "fp32")
+    assert out.shape == (m, 256)
+    if m:
+        assert _rel(out, x, w) <= 1e-6
+
+
+def test_fp32_mode_changes_no_expert_set_on_8192_tokens():
+    shape = SHAPES[0]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(8192, shape.k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(shape.n, shape.k, device="cuda", generator=g) / shape.k**0.5).to(torch.bfloat16)
+    bias = torch.randn(shape.n, device="cuda", generator=g) * 0.01
+    ref_ids = select_experts(x.double() @ w.double().T, shape.routing, bias.double())[0]
+    ids = select_experts(router_gemm(x, w, "fp32").double(), shape.routing, bias.double())[0]
+    assert changed_expert_sets(ids, ref_ids).sum().item() == 0
+
+
+@pytest.mark.parametrize("mode", ["bf16-fp32out", "fp32", "bf16"])
+def test_cuda_graph_replay_equals_eager(mode):
+    shape = SHAPES[0]
+    for m in (1, 17, 300, 4097):
+        x, w = _xw(m, shape)
+        x = x.contiguous()
+        eager = router_gemm(x, w, mode)
+        static_x = x.clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            router_gemm(static_x, w, mode)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = router_gemm(static_x, w, mode)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(static_out, eager), m
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("mode", ["bf16-fp32out", "fp32"])
+def test_batch_invariant_needle_eager_and_graphs(shape, mode):
+    needle, w = _xw(1, shape)
+    needle = needle.contiguous()
+    alone = router_gemm(needle, w, mode, batch_invariant=True)
+    assert _rel(alone, needle, w) <= (1e-6 if mode == "fp32" else 1e-5)
+    for m in NEEDLE_MS:
+        x = torch.randn(m, shape.k, device="cuda").to(torch.bfloat16)
+        positions = sorted({0, 1, m // 2, m - 1} & set(range(m)))
+        for pos in positions:
+            x[pos] = needle[0]
+        out = router_gemm(x, w, mode, batch_invariant=True)
+        for pos in positions:
+            assert torch.equal(out[pos : pos + 1], alone), (m, pos, "eager")
+        graph = torch.cuda.CUDAGraph()
+        router_gemm(x, w, mode, batch_invariant=True)
+        with torch.cuda.graph(graph):
+            g_out = router_gemm(x, w, mode, batch_invariant=True)
+        for _ in range(10):
+            graph.replay()
+            torch.cuda.synchronize()
+            for pos in positions:
+                assert torch.equal(g_out[pos : pos + 1], alone), (m, pos, "graph")
+
+
+def test_selfcheck_passes_on_the_invariant_kernel_and_refuses_a_variant_one():
+    from vllm_router_ext.selfcheck import BatchInvarianceError, check_batch_invariance
+
+    w = (torch.randn(256, 7168, device="cuda") / 84.7).to(torch.bfloat16)
+    check_batch_invariance(lambda x, w: router_gemm(x, w, "fp32", batch_invariant=True), w)
+    # The non-invariant dispatch changes kernel and K split with M: the check must see it.
+    with pytest.raises(BatchInvarianceError):
+        check_batch_invariance(lambda x, w: router_gemm(x, w, "bf16-fp32out"), w, sizes=(1, 2, 3, 17, 64, 255, 4096))

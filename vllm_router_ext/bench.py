@@ -1,0 +1,228 @@
+"""Router GEMM benchmark and accuracy audit on one GPU (no vLLM needed).
+
+    python -m vllm_router_ext.bench [--out DIR] [--shapes DeepSeek-V3,...] [--m 1,16,...] [--skip-accuracy]
+
+Speed: every M of ``M_LIST`` on the five DeepSeek-family shapes; each method is captured R times
+back to back in one CUDA graph over R rotated weight/input copies (> 3x the L2), timed with
+``triton.testing.do_bench`` (median of replays) / R. Prints µs and the ratio to cuBLAS measured in
+the same run; writes ``bench.json`` and ``bench.png`` (µs vs M, log-log).
+
+Accuracy: 8192 random tokens per shape (x ~ N(0,1), W ~ N(0,1/K), bf16): relative error vs an
+fp64 reference and the % of tokens whose expert set (the model's own routing) changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vllm_router_ext.benchmarking import (
+    M_LIST,
+    SHAPES,
+    floor_us,
+    make_inputs,
+    rotation_copies,
+    time_graph,
+)
+from vllm_router_ext.ops import router_gemm
+from vllm_router_ext.ops.reference import changed_expert_sets, select_experts
+
+METHODS = {
+    "ours bf16-fp32out": lambda x, w, w32: router_gemm(x, w, "bf16-fp32out"),
+    "ours fp32": lambda x, w, w32: router_gemm(x, w, "fp32"),
+    "ours bf16": lambda x, w, w32: router_gemm(x, w, "bf16"),
+    "ours BI bf16-fp32out": lambda x, w, w32: router_gemm(x, w, "bf16-fp32out", batch_invariant=True),
+    "ours BI fp32": lambda x, w, w32: router_gemm(x, w, "fp32", batch_invariant=True),
+    "ours fp32 (fp32 weight)": lambda x, w, w32: router_gemm(x, w32, "fp32"),
+    "cuBLAS mm out_dtype=fp32": lambda x, w, w32: torch.mm(x, w.T, out_dtype=torch.float32),
+    "F.linear fp32 upcast": lambda x, w, w32: F.linear(x.float(), w32),
+    "F.linear bf16": lambda x, w, w32: F.linear(x, w),
+}
+BASELINE = "cuBLAS mm out_dtype=fp32"
+
+
+def environment() -> dict:
+    def _smi(q: str) -> str:
+        try:
+            return subprocess.run(
+                ["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return "?"
+
+    import triton
+
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "gpu": torch.cuda.get_device_name(),
+        "driver": _smi("driver_version"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "commit": os.environ.get("ROUTER_EXT_COMMIT", "unknown"),
+    }
+
+
+def run_speed(shapes, ms, methods) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        for m in ms:
+            copies = rotation_copies(m, shape.k, shape.n)
+            xs, ws = make_inputs(m, shape.k, shape.n, copies)
+            w32s = [w.float() for w in ws]  # the PR #47410 layout: weight stored in fp32
+            row = {"shape": shape.name, "K": shape.k, "N": shape.n, "M": m, "floor_us": floor_us(m, shape.k, shape.n)}
+            for name in methods:
+                fn = METHODS[name]
+                calls = [lambda x=x, w=w, w32=w32, fn=fn: fn(x, w, w32) for x, w, w32 in zip(xs, ws, w32s, strict=True)]
+                row[name] = time_graph(calls)
+            rows.append(row)
+            base = row.get(BASELINE)
+            print(
+                f"{shape.name:>17} M={m:>5}  "
+                + "  ".join(f"{n.replace('ours ', '')}={row[n]:.2f}" for n in methods)
+                + (f"  | ours/cuBLAS={row['ours bf16-fp32out'] / base:.2f}" if base and "ours bf16-fp32out" in row else ""),
+                flush=True,
+            )
+            del xs, ws, w32s
+    return rows
+
+
+def run_accuracy(shapes, tokens: int = 8192, seed: int = 7) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x = torch.randn(tokens, shape.k, device="cuda", generator=g).to(torch.bfloat16)
+        w = (torch.randn(shape.n, shape.k, device="cuda", generator=g) / shape.k**0.5).to(torch.bfloat16)
+        w32 = torch.randn(shape.n, shape.k, device="cuda", generator=g) / shape.k**0.5  # genuinely fp32
+        noaux = shape.routing.topk_method == "noaux_tc"
+        bias = (torch.randn(shape.n, device="cuda", generator=g) * 0.01) if noaux else None
+        paths = {
+            "ours fp32": (router_gemm(x, w, "fp32"), w),
+            "ours bf16-fp32out": (router_gemm(x, w, "bf16-fp32out"), w),
+            "ours bf16": (router_gemm(x, w, "bf16"), w),
+            "ours BI fp32": (router_gemm(x, w, "fp32", batch_invariant=True), w),
+            "ours BI bf16-fp32out": (router_gemm(x, w, "bf16-fp32out", batch_invariant=True), w),
+            "ours fp32 (fp32 weight)": (router_gemm(x, w32, "fp32"), w32),
+            "torch fp32 upcast": (F.linear(x.float(), w.float()), w),
+            "cuBLAS bf16->fp32": (torch.mm(x, w.T, out_dtype=torch.float32), w),
+            "F.linear bf16": (F.linear(x, w), w),
+        }
+        refs = {}
+        for name, (logits, weight) in paths.items():
+            key = id(weight)
+            if key not in refs:
+                ref = x.double() @ weight.double().T
+                refs[key] = (ref, select_experts(ref, shape.routing, None if bias is None else bias.double())[0])
+            ref, ref_ids = refs[key]
+            rel = ((logits.double() - ref).norm() / ref.norm()).item()
+            ids = select_experts(logits.double() if logits.dtype != torch.bfloat16 else logits.float().double(),
+                                 shape.routing, None if bias is None else bias.double())[0]
+            # Route in the logits' own dtype semantics: bf16 logits are rounded already, so the
+            # comparison isolates what the GEMM's output precision does to expert choice.
+            changed = changed_expert_sets(ids, ref_ids).float().mean().item() * 100
+            rows.append({"shape": shape.name, "path": name, "rel_err": rel, "changed_pct": changed})
+            print(f"{shape.name:>17} {name:>24}: rel err {rel:.2e}  changed expert sets {changed:.3f} %", flush=True)
+    return rows
+
+
+def run_fp32_by_m(ms=(1, 7, 16, 300, 4096, 16384)) -> list[dict]:
+    rows = []
+    shape = SHAPES[0]
+    for m in ms:
+        xs, ws = make_inputs(m, shape.k, shape.n, 1, seed=m)
+        x, w = xs[0], ws[0]
+        ref = x.double() @ w.double().T
+        for name, out in (
+            ("ours fp32", router_gemm(x, w, "fp32")),
+            ("ours BI fp32", router_gemm(x, w, "fp32", batch_invariant=True)),
+            ("ours bf16-fp32out", router_gemm(x, w, "bf16-fp32out")),
+            ("torch fp32 upcast", F.linear(x.float(), w.float())),
+        ):
+            rows.append({"M": m, "path": name, "rel_err": ((out.double() - ref).norm() / ref.norm()).item()})
+    for r in rows:
+        print(f"fp32 accuracy by M  M={r['M']:>5} {r['path']:>18}: {r['rel_err']:.2e}")
+    return rows
+
+
+def print_tables(rows: list[dict], methods: list[str]) -> None:
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        sub = [r for r in rows if r["shape"] == shape]
+        print(f"\n### {shape} (K={sub[0]['K']}, N={sub[0]['N']}): µs per call, (ratio to cuBLAS)")
+        print("| M | " + " | ".join(methods) + " | floor |")
+        print("|---:|" + "---:|" * (len(methods) + 1))
+        for r in sub:
+            base = r.get(BASELINE)
+            cells = [f"{r[n]:.2f} ({r[n] / base:.2f})" if base else f"{r[n]:.2f}" for n in methods]
+            print(f"| {r['M']} | " + " | ".join(cells) + f" | {r['floor_us']:.2f} |")
+
+
+def plot(rows: list[dict], methods: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4.5), squeeze=False)
+    for ax, shape in zip(axes[0], shapes, strict=True):
+        sub = [r for r in rows if r["shape"] == shape]
+        ms = [r["M"] for r in sub]
+        for name in methods:
+            ax.plot(ms, [r[name] for r in sub], marker="o", ms=3, label=name)
+        ax.plot(ms, [r["floor_us"] for r in sub], "k--", lw=1, label="HBM floor")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{shape} (K={sub[0]['K']}, N={sub[0]['N']})")
+        ax.set_xlabel("M (tokens)")
+        ax.set_ylabel("µs per call")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
+    p.add_argument("--m", default=",".join(map(str, M_LIST)))
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--skip-accuracy", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    names = args.shapes.split(",")
+    unknown = [n for n in names if n not in {s.name for s in SHAPES}]
+    if unknown:
+        print(f"unknown shape(s) {unknown}; allowed: {[s.name for s in SHAPES]}", file=sys.stderr)
+        return 2
+    shapes = [s for s in SHAPES if s.name in names]
+    methods = args.methods.split(",")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    print(json.dumps(env))
+    result = {"environment": env}
+    if not args.skip_accuracy:
+        result["accuracy"] = run_accuracy(shapes)
+        result["fp32_by_m"] = run_fp32_by_m()
+    rows = run_speed(shapes, [int(m) for m in args.m.split(",")], methods)
+    result["speed"] = rows
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    plot(rows, methods, out / "bench.png")
+    print_tables(rows, methods)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
