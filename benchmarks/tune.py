@@ -26,10 +26,12 @@ from csrc_triton.configs import CONFIG_DIR, KernelConfig, device_key  # noqa: E4
 from vllm_router_ext.benchmarking import M_LIST, SHAPES, make_inputs, rotation_copies, time_graph  # noqa: E402
 from vllm_router_ext.ops.dispatch import dot_mode_for, run_config  # noqa: E402
 
-SPLITK_SHAPES = [  # (block_n, k_per_split, block_k, num_warps)
+SPLITK_SHAPES = [  # (block_n, k_per_split, block_k, num_warps); every one single-launch (ticket)
     (16, 512, 128, 4),
     (16, 512, 256, 4),
+    (16, 512, 512, 4),
     (32, 512, 128, 4),
+    (32, 512, 256, 4),
     (16, 256, 128, 4),
     (32, 256, 128, 4),
     (32, 1024, 128, 4),
@@ -43,6 +45,8 @@ TILED = [  # (block_m, block_n, block_k, num_warps, num_stages)
     (128, 256, 64, 8, 3),
     (128, 128, 64, 4, 4),
     (128, 64, 64, 4, 4),
+    (128, 256, 64, 8, 4),
+    (256, 128, 64, 8, 3),
 ]
 BI_M = (1, 16, 64, 256, 4096)
 
@@ -111,6 +115,8 @@ def tune_shape(shape, mode: str, ms) -> tuple[list[dict], dict[int, float]]:
             cands += tiled_candidates(m, mode)
         if mode == "bf16-fp32out":
             cands.append(KernelConfig("cublas"))
+        if m <= 16:  # the two-launch split-K form, for the record
+            cands.append(KernelConfig("splitk", {**cands[0].params, "ticket": False}))
         results = []
         for cfg in cands:
             if cfg.kernel != "cublas" and not _check(cfg, xs[0], ws[0], mode):

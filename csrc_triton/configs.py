@@ -17,7 +17,9 @@ from typing import Any
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 #: Launch parameters a table entry may carry; other keys ("us", "worst_ratio") are notes.
-PARAM_KEYS = ("block_m", "block_n", "block_k", "k_per_split", "promote_chunks", "group_m", "num_warps", "num_stages")
+PARAM_KEYS = (
+    "block_m", "block_n", "block_k", "k_per_split", "promote_chunks", "ticket", "group_m", "num_warps", "num_stages",
+)
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,20 @@
 
 Invariant: every output element is reduced over K in one order fixed by (K_PER_SPLIT, BLOCK_K,
 PROMOTE_CHUNKS) alone: split s covers K[s*K_PER_SPLIT, (s+1)*K_PER_SPLIT) in BLOCK_K chunks, each
-split's fp32 partial is written to a workspace, and a second kernel adds the partials in split
-order 0, 1, ..., S-1. No atomics. Rows never interact, so with one config for every M the result
-of a row does not depend on the batch it is in (the batch-invariant path uses exactly that).
+split's fp32 partial is written to a workspace, and the partials are added in split order
+0, 1, ..., S-1. Rows never interact, so with one K split for every M the result of a row does not
+depend on the batch it is in (the batch-invariant path relies on exactly that).
 
 Why split-K: at decode sizes the GEMM is bound by reading the [N, K] weight once. Splitting N *and*
 K gives enough programs to fill every SM, and each program loads its whole weight slice in
-unrolled chunks, so many bytes are in flight per SM (memory-level parallelism is what a small-M
-kernel has to get right).
+unrolled chunks, so many bytes are in flight per SM.
+
+Why one launch: on the H200 each dependent kernel in a CUDA graph costs ~2.5 µs of launch and
+drain, more than reading the weight (~0.9 µs). So by default (TICKET) the program that finishes a
+tile last does the reduction: each program stores its partial, then takes an integer ticket for
+its tile; the one that draws S-1 adds all S partials in split order and resets the ticket to 0
+for the next call. The ticket is the only atomic; the floating-point order never depends on which
+program came last. ``ticket=False`` keeps the two-launch form (partials, then a reduce kernel).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ def _splitk_partials_kernel(
     x_ptr,
     w_ptr,
     part_ptr,
+    out_ptr,
+    ticket_ptr,
     M,
     N,
     K,
@@ -33,13 +41,16 @@ def _splitk_partials_kernel(
     stride_wn,
     stride_ps,
     stride_pm,
+    stride_om,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_PER_SPLIT: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     PROMOTE_CHUNKS: tl.constexpr,
     DOT_MODE: tl.constexpr,
     UPCAST: tl.constexpr,
+    TICKET: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -65,8 +76,25 @@ def _splitk_partials_kernel(
             part = mma(a, b, part, DOT_MODE, UPCAST)
         acc += part
 
-    p = part_ptr + pid_s * stride_ps + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
-    tl.store(p, acc.to(part_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    mask = mask_m[:, None] & mask_n[None, :]
+    tile = offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
+    if SPLIT_K == 1:
+        o = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + pid_s * stride_ps + tile, acc, mask=mask)
+        if TICKET:
+            tl.debug_barrier()  # every thread's partial is stored before the ticket is taken
+            ticket_idx = pid_m * tl.num_programs(0) + pid_n
+            ticket = tl.atomic_add(ticket_ptr + ticket_idx, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):  # fixed order: split 0, 1, ..., S-1
+                    # .cg: read from L2, never from a stale L1 line of an earlier call
+                    total += tl.load(part_ptr + s * stride_ps + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                o = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+                tl.store(o, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(ticket_ptr + ticket_idx, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -91,6 +119,19 @@ def _splitk_reduce_kernel(
 
 
 _REDUCE_BLOCK = 1024
+_TICKETS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 tickets, one per output tile, per (device, stream): calls that may run
+    concurrently on different streams never share them. Each call leaves them at zero."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device.index or 0, stream)
+    buf = _TICKETS.get(key)
+    if buf is None or buf.numel() < tiles:
+        buf = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+        _TICKETS[key] = buf
+    return buf
 
 
 def splitk_launch(
@@ -104,6 +145,7 @@ def splitk_launch(
     k_per_split: int,
     promote_chunks: int,
     dot_mode: int,
+    ticket: bool = True,
     num_warps: int = 4,
     num_stages: int = 1,
 ) -> torch.Tensor:
@@ -115,36 +157,38 @@ def splitk_launch(
     assert k_per_split % (block_k * promote_chunks) == 0, "K_PER_SPLIT must hold whole promotions"
     split_k = triton.cdiv(K, k_per_split)
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))
-    if split_k == 1 and out.stride(1) == 1:
-        # One split: the partial *is* the result; store it (cast to out's dtype) directly.
-        part, stride_ps = out, 0
-    else:
-        part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
-        stride_ps = part.stride(0)
+    part = out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
+    use_ticket = ticket and split_k > 1
+    tickets = _tickets(x.device, grid[0] * grid[2]) if use_ticket else part
     _splitk_partials_kernel[grid](
         x,
         w,
         part,
+        out,
+        tickets,
         M,
         N,
         K,
         x.stride(0),
         w.stride(0),
-        stride_ps,
+        part.stride(0) if split_k > 1 else 0,
         part.stride(-2),
+        out.stride(0),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         K_PER_SPLIT=k_per_split,
+        SPLIT_K=split_k,
         PROMOTE_CHUNKS=promote_chunks,
         DOT_MODE=dot_mode,
         UPCAST=interpreting(),
+        TICKET=use_ticket,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if part is not out:
+    if split_k > 1 and not use_ticket:
         _splitk_reduce_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](
-            part, out, M, N, stride_ps, out.stride(0), SPLIT_K=split_k, BLOCK=_REDUCE_BLOCK, num_warps=4
+            part, out, M, N, part.stride(0), out.stride(0), SPLIT_K=split_k, BLOCK=_REDUCE_BLOCK, num_warps=4
         )
     return out
 

@@ -63,10 +63,9 @@ class RouterPrecision(str, enum.Enum):
         if isinstance(value, RouterPrecision):
             return value
         if isinstance(value, str):
-            text = value.strip().lower()
-            for p in cls:
-                if p.value == text:
-                    return p
+            found = _BY_VALUE.get(value.strip().lower())  # a dict lookup: traceable by Dynamo
+            if found is not None:
+                return found
         raise ValueError(
             f"invalid router precision {value!r} from {source}; "
             f"allowed values: {', '.join(cls.choices())}"
@@ -80,6 +79,9 @@ class RouterPrecision(str, enum.Enum):
         if self is RouterPrecision.AUTO:
             raise ValueError("'auto' must be resolved before it has a logits dtype")
         return None
+
+
+_BY_VALUE: dict[str, RouterPrecision] = {p.value: p for p in RouterPrecision}
 
 
 @dataclass(frozen=True)

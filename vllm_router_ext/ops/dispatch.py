@@ -54,6 +54,13 @@ def run_config(cfg, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, do
             params["promote_chunks"] = params["k_per_split"] // params["block_k"]
         return splitk_launch(x, weight, out, dot_mode=dot_mode, **params)
     if cfg.kernel == "tiled":
+        if weight.dtype == torch.float32:
+            # fp32 weight tiles take twice the shared memory of bf16 ones: halve BLOCK_K (and
+            # keep the promoted chain length) and cap the pipeline depth.
+            if params.get("promote_chunks"):
+                params["promote_chunks"] *= 2
+            params["block_k"] = min(params["block_k"], 32)
+            params["num_stages"] = min(params.get("num_stages", 3), 3)
         return tiled_launch(x, weight, out, dot_mode=dot_mode, **params)
     raise ValueError(f"unknown kernel {cfg.kernel!r}; allowed: splitk, tiled, cublas")
 
