@@ -125,8 +125,10 @@ def tune_shape(shape, mode: str, ms) -> tuple[list[dict], dict[int, float]]:
         results.sort(key=lambda r: r[0])
         best_by_m[m] = results[0]
         cub = next((t for t, c in results if c.kernel == "cublas"), None)
+        two = next((t for t, c in results if c.params.get("ticket") is False), None)
         print(f"  {shape.name} {mode} M={m}: best {results[0][0]:.2f} µs {results[0][1].describe()}"
-              + (f"  (cuBLAS {cub:.2f})" if cub else ""), flush=True)
+              + (f"  (cuBLAS {cub:.2f})" if cub else "") + (f"  (two-launch split-K {two:.2f})" if two else ""),
+              flush=True)
     buckets = []
     for m in ms:
         t, cfg = best_by_m[m]

@@ -12,7 +12,8 @@ for step in "$@"; do
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels.py \
              tests/test_router_gemm_op.py tests/test_selfcheck.py 2>&1 | tee "$OUT/pytest.log" | tail -40 ;;
     tune) timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune.py --out "$OUT/nvidia_h200.json" 2>&1 \
-             | tee "$OUT/tune.log" | grep -E "best|batch-invariant|done|wrote|Error|error" ;;
+             | tee "$OUT/tune.log" | grep -E "M=(1|16|256|16384):|batch-invariant|done|wrote|Error|error"
+          cp "$OUT/nvidia_h200.json" csrc_triton/configs/nvidia_h200.json ;;
     bench) python3 -m vllm_router_ext.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -120 ;;
     *) echo "unknown step $step (tests, tune, bench)"; exit 2 ;;
   esac
