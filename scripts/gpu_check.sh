@@ -1,20 +1,30 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then (optionally) tuning and the benchmark. Runs without vLLM.
-#   bash scripts/gpu_check.sh [tests] [tune] [bench]      (outputs under $OUT, default ./gpu-out)
+# One device call: any of the steps below, in order. Runs without vLLM; outputs under $OUT.
+#   bash scripts/gpu_check.sh [tests] [ncu] [tune] [tune-rest] [bench]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+TABLE=csrc_triton/configs/nvidia_h200.json
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 for step in "$@"; do
   case $step in
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels.py \
-             tests/test_router_gemm_op.py tests/test_selfcheck.py 2>&1 | tee "$OUT/pytest.log" | tail -40 ;;
+             tests/test_router_gemm_op.py tests/test_selfcheck.py 2>&1 | tee "$OUT/pytest.log" | grep -vE "^DEBUG|^\s*$" | tail -25 ;;
+    ncu) timeout 120 ncu --clock-control none --profile-from-start off --csv \
+           --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
+           python3 benchmarks/ncu_probe.py > "$OUT/ncu.csv" 2>&1; grep -E "gpu__time_duration|dram__bytes" "$OUT/ncu.csv" | cut -c1-220 | tail -24 ;;
     tune) timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune.py --out "$OUT/nvidia_h200.json" 2>&1 \
              | tee "$OUT/tune.log" | grep -E "M=(1|16|256|16384):|batch-invariant|done|wrote|Error|error"
-          cp "$OUT/nvidia_h200.json" csrc_triton/configs/nvidia_h200.json ;;
-    bench) python3 -m vllm_router_ext.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -120 ;;
-    *) echo "unknown step $step (tests, tune, bench)"; exit 2 ;;
+          cp "$OUT/nvidia_h200.json" "$TABLE" ;;
+    tune-rest) # finish the shapes missing from the committed table, and retune batch invariance for all
+          timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune.py --merge "$TABLE" --out "$OUT/nvidia_h200.json" \
+             --shapes GLM-5,DeepSeek-V2-Lite 2>&1 | tee "$OUT/tune.log" | grep -E "M=(1|16|256|16384):|batch-invariant|done|Error|error"
+          timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune.py --merge "$OUT/nvidia_h200.json" --out "$OUT/nvidia_h200.json" \
+             --shapes DeepSeek-V3,Kimi-K2,DeepSeek-V2 --bi-only 2>&1 | tee -a "$OUT/tune.log" | grep -E "batch-invariant|differs|done|Error|error"
+          cp "$OUT/nvidia_h200.json" "$TABLE" ;;
+    bench) python3 -m vllm_router_ext.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -vE "^\s+[A-Za-z0-9-]+ M=" | tail -150 ;;
+    *) echo "unknown step $step (tests, ncu, tune, tune-rest, bench)"; exit 2 ;;
   esac
 done

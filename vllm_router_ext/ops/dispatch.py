@@ -55,12 +55,12 @@ def run_config(cfg, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, do
         return splitk_launch(x, weight, out, dot_mode=dot_mode, **params)
     if cfg.kernel == "tiled":
         if weight.dtype == torch.float32:
-            # fp32 weight tiles take twice the shared memory of bf16 ones: halve BLOCK_K (and
-            # keep the promoted chain length) and cap the pipeline depth.
+            # fp32 weight tiles (and their three bf16 terms) need far more shared memory than bf16
+            # ones: use 64x64x32 tiles, two stages, and keep the promoted chain 128 long.
             if params.get("promote_chunks"):
-                params["promote_chunks"] *= 2
-            params["block_k"] = min(params["block_k"], 32)
-            params["num_stages"] = min(params.get("num_stages", 3), 3)
+                params["promote_chunks"] = 4
+            params.update(block_m=min(params["block_m"], 64), block_n=min(params["block_n"], 64), block_k=32)
+            params["num_stages"] = 2
         return tiled_launch(x, weight, out, dot_mode=dot_mode, **params)
     raise ValueError(f"unknown kernel {cfg.kernel!r}; allowed: splitk, tiled, cublas")
 
