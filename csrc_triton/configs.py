@@ -2,7 +2,7 @@
 
 A table maps a (K, N) shape and a mode to buckets ``{"max_m": int | null, "kernel": ..., params}``,
 looked up by the first bucket whose ``max_m`` >= M. ``kernel`` is ``splitk``, ``tiled`` or
-``cublas`` (bf16-fp32out only: where cuBLAS measured faster on that GPU). Batch-invariant tables
+``cublas`` (the 16-bit modes: where cuBLAS measured faster on that GPU). Batch-invariant tables
 hold exactly one split-K config for every M. Nothing here autotunes at run time.
 """
 
@@ -57,9 +57,15 @@ def _fp32_promotion(block_k: int) -> int:
     return max(1, 128 // block_k)
 
 
-def heuristic_config(m: int, k: int, n: int, mode: str, batch_invariant: bool, sm_count: int) -> KernelConfig:
-    """Default for shapes and GPUs without a tuned table; aims at >= 2 programs per SM at small M."""
+def heuristic_config(
+    m: int, k: int, n: int, mode: str, batch_invariant: bool, sm_count: int, cublas: bool = False
+) -> KernelConfig:
+    """Default for shapes and GPUs without a tuned table; aims at >= 2 programs per SM at small M.
+    Above 64 tokens the 16-bit modes go to cuBLAS where it exists (on the H200 our tiled kernel
+    never beat it there); the fp32 mode has no cuBLAS equivalent and keeps the tiled kernel."""
     fp32 = mode == "fp32"
+    if cublas and not fp32 and not batch_invariant and m > 64:
+        return KernelConfig("cublas")
     if batch_invariant or m <= 64:
         block_m = 64 if batch_invariant else 16
         block_n = 32 if n >= 128 else 16
@@ -85,7 +91,8 @@ def heuristic_config(m: int, k: int, n: int, mode: str, batch_invariant: bool, s
 
 
 def select_config(
-    m: int, k: int, n: int, mode: str, batch_invariant: bool, device_name: str, sm_count: int
+    m: int, k: int, n: int, mode: str, batch_invariant: bool, device_name: str, sm_count: int,
+    cublas: bool = True,
 ) -> KernelConfig:
     table_mode = "fp32" if mode == "fp32" else "bf16-fp32out"
     entry = load_table(device_name).get("shapes", {}).get(f"{k}x{n}", {})
@@ -93,7 +100,7 @@ def select_config(
     for bucket in entry.get(key, []):
         if bucket["max_m"] is None or m <= bucket["max_m"]:
             params = {p: v for p, v in bucket.items() if p in PARAM_KEYS}
-            if bucket["kernel"] == "cublas" and mode != "bf16-fp32out":
-                break  # cuBLAS has no fp32-accurate or bf16-out equivalent here
+            if bucket["kernel"] == "cublas" and (mode == "fp32" or not cublas):
+                break  # cuBLAS has no fp32-accurate equivalent: use the heuristic
             return KernelConfig(bucket["kernel"], params, source=f"tuned {device_key(device_name)}")
-    return heuristic_config(m, k, n, mode, batch_invariant, sm_count)
+    return heuristic_config(m, k, n, mode, batch_invariant, sm_count, cublas=cublas)

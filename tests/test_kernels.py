@@ -99,6 +99,9 @@ def test_heuristic_configs_are_well_formed():
                     assert p["k_per_split"] % (p["block_k"] * chunks) == 0
                     assert (256 // p["block_n"]) * (7168 // p["k_per_split"]) >= 132 or bi
                 assert cfg.kernel == ("splitk" if bi or m <= 64 else "tiled")
+                with_cublas = heuristic_config(m, 7168, 256, mode, bi, 132, cublas=True)
+                if mode != "fp32" and not bi and m > 64:
+                    assert with_cublas.kernel == "cublas"
     # Batch invariance: one config for every M.
     assert len({heuristic_config(m, 7168, 256, "fp32", True, 132) for m in (1, 17, 4096)}) == 1
 
@@ -121,6 +124,7 @@ def test_tuned_table_lookup(monkeypatch):
     assert select_config(8, 7168, 256, "bf16-fp32out", False, "GPU", 132).kernel == "splitk"
     assert select_config(100, 7168, 256, "bf16-fp32out", False, "GPU", 132).kernel == "cublas"
     assert select_config(9000, 7168, 256, "bf16-fp32out", False, "GPU", 132).kernel == "tiled"
-    # cuBLAS never serves the fp32 mode or the bf16 mode: fall back to the heuristic.
-    assert select_config(100, 7168, 256, "bf16", False, "GPU", 132).kernel != "cublas"
+    # cuBLAS serves the bf16 mode too (bf16 logits), never the fp32 mode, never off-GPU.
+    assert select_config(100, 7168, 256, "bf16", False, "GPU", 132).kernel == "cublas"
     assert select_config(100, 7168, 256, "fp32", False, "GPU", 132).source == "heuristic"
+    assert select_config(100, 7168, 256, "bf16", False, "GPU", 132, cublas=False).kernel == "tiled"

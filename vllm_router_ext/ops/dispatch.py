@@ -37,7 +37,7 @@ def config_for(x: torch.Tensor, weight: torch.Tensor, precision: RouterPrecision
 
     name, sms = _device_info(x.device.index or 0) if x.is_cuda else ("cpu-interpreter", 132)
     return select_config(
-        x.shape[0], x.shape[1], weight.shape[0], precision.value, batch_invariant, name, sms
+        x.shape[0], x.shape[1], weight.shape[0], precision.value, batch_invariant, name, sms, cublas=x.is_cuda
     )
 
 
@@ -47,6 +47,8 @@ def run_config(cfg, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, do
     from csrc_triton.router_gemm_tiled import tiled_launch
 
     if cfg.kernel == "cublas":
+        if out.dtype == x.dtype:  # the bf16 mode: stock cuBLAS GEMM, bf16 logits
+            return torch.mm(x, weight.T)
         return torch.mm(x, weight.T, out_dtype=torch.float32)
     params = dict(cfg.params)
     if cfg.kernel == "splitk":
