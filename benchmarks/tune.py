@@ -53,7 +53,11 @@ BI_M = (1, 16, 64, 256, 4096)
 
 def splitk_candidates(m: int, mode: str, fixed_block_m: int | None = None) -> list[KernelConfig]:
     out = []
-    block_ms = [fixed_block_m] if fixed_block_m else sorted({min(64, max(16, 1 << (m - 1).bit_length())), 16 if m <= 64 else 64})
+    block_ms = (
+        [fixed_block_m]
+        if fixed_block_m
+        else sorted({min(64, max(16, 1 << (m - 1).bit_length())), 16 if m <= 64 else 64})
+    )
     for block_m in block_ms:
         for block_n, kps, block_k, warps in SPLITK_SHAPES:
             if mode == "fp32":
@@ -62,8 +66,18 @@ def splitk_candidates(m: int, mode: str, fixed_block_m: int | None = None) -> li
             else:
                 promote = 0
             out.append(
-                KernelConfig("splitk", dict(block_m=block_m, block_n=block_n, block_k=block_k, k_per_split=kps,
-                                            promote_chunks=promote, num_warps=warps, num_stages=1))
+                KernelConfig(
+                    "splitk",
+                    dict(
+                        block_m=block_m,
+                        block_n=block_n,
+                        block_k=block_k,
+                        k_per_split=kps,
+                        promote_chunks=promote,
+                        num_warps=warps,
+                        num_stages=1,
+                    ),
+                )
             )
     return out
 
@@ -74,9 +88,18 @@ def tiled_candidates(m: int, mode: str) -> list[KernelConfig]:
         if block_m > 64 and m <= 64:
             continue
         out.append(
-            KernelConfig("tiled", dict(block_m=block_m, block_n=block_n, block_k=block_k,
-                                       promote_chunks=(128 // block_k) if mode == "fp32" else 0,
-                                       group_m=8, num_warps=warps, num_stages=stages))
+            KernelConfig(
+                "tiled",
+                dict(
+                    block_m=block_m,
+                    block_n=block_n,
+                    block_k=block_k,
+                    promote_chunks=(128 // block_k) if mode == "fp32" else 0,
+                    group_m=8,
+                    num_warps=warps,
+                    num_stages=stages,
+                ),
+            )
         )
     return out
 
@@ -100,7 +123,9 @@ def _check(cfg: KernelConfig, x, w, mode: str) -> bool:
 def time_config(cfg: KernelConfig, xs, ws, mode: str) -> float:
     dot_mode = dot_mode_for(xs[0].dtype, ws[0].dtype)
     outs = [torch.empty((x.shape[0], w.shape[0]), device="cuda") for x, w in zip(xs, ws, strict=True)]
-    calls = [lambda x=x, w=w, o=o: run_config(cfg, x, w, o, dot_mode) for x, w, o in zip(xs, ws, outs, strict=True)]
+    calls = [
+        lambda x=x, w=w, o=o: run_config(cfg, x, w, o, dot_mode) for x, w, o in zip(xs, ws, outs, strict=True)
+    ]
     return time_graph(calls, warmup=10, rep=40)
 
 
@@ -126,9 +151,12 @@ def tune_shape(shape, mode: str, ms) -> tuple[list[dict], dict[int, float]]:
         best_by_m[m] = results[0]
         cub = next((t for t, c in results if c.kernel == "cublas"), None)
         two = next((t for t, c in results if c.params.get("ticket") is False), None)
-        print(f"  {shape.name} {mode} M={m}: best {results[0][0]:.2f} µs {results[0][1].describe()}"
-              + (f"  (cuBLAS {cub:.2f})" if cub else "") + (f"  (two-launch split-K {two:.2f})" if two else ""),
-              flush=True)
+        print(
+            f"  {shape.name} {mode} M={m}: best {results[0][0]:.2f} µs {results[0][1].describe()}"
+            + (f"  (cuBLAS {cub:.2f})" if cub else "")
+            + (f"  (two-launch split-K {two:.2f})" if two else ""),
+            flush=True,
+        )
     buckets = []
     for m in ms:
         t, cfg = best_by_m[m]
@@ -152,9 +180,18 @@ def _bi_config(kps: int, block_k: int, tiles: tuple[int, int, int], mode: str) -
     block_m, block_n, warps = tiles
     if mode == "fp32":
         block_k = 64
-    return KernelConfig("splitk", dict(block_m=block_m, block_n=block_n, block_k=block_k, k_per_split=kps,
-                                       promote_chunks=(128 // block_k) if mode == "fp32" else 0,
-                                       num_warps=warps, num_stages=1))
+    return KernelConfig(
+        "splitk",
+        dict(
+            block_m=block_m,
+            block_n=block_n,
+            block_k=block_k,
+            k_per_split=kps,
+            promote_chunks=(128 // block_k) if mode == "fp32" else 0,
+            num_warps=warps,
+            num_stages=1,
+        ),
+    )
 
 
 def _fastest_non_invariant(shape, mode: str, m: int, xs, ws) -> float:
@@ -163,7 +200,9 @@ def _fastest_non_invariant(shape, mode: str, m: int, xs, ws) -> float:
     calls = [lambda x=x, w=w: router_gemm(x, w, mode) for x, w in zip(xs, ws, strict=True)]
     t = time_graph(calls, warmup=10, rep=40)
     if mode == "bf16-fp32out":
-        calls = [lambda x=x, w=w: torch.mm(x, w.T, out_dtype=torch.float32) for x, w in zip(xs, ws, strict=True)]
+        calls = [
+            lambda x=x, w=w: torch.mm(x, w.T, out_dtype=torch.float32) for x, w in zip(xs, ws, strict=True)
+        ]
         t = min(t, time_graph(calls, warmup=10, rep=40))
     return t
 
@@ -195,10 +234,15 @@ def tune_batch_invariant(shape, mode: str) -> list[dict]:
         worst = max(per_m[m][0] / best[m] for m in BI_M)
         choices.append((worst, kps, block_k, per_m))
     worst, kps, block_k, per_m = min(choices, key=lambda c: c[0])
-    print(f"  {shape.name} {mode} batch-invariant: K split {kps}, worst ratio {worst:.2f} vs fastest "
-          + " ".join(f"M={m}:{t:.2f}/{best[m]:.2f}" for m, (t, _) in per_m.items()), flush=True)
-    buckets = [{"max_m": m, "kernel": "splitk", **c.params, "us": round(t, 3), "fastest_us": round(best[m], 3)}
-               for m, (t, c) in per_m.items()]
+    print(
+        f"  {shape.name} {mode} batch-invariant: K split {kps}, worst ratio {worst:.2f} vs fastest "
+        + " ".join(f"M={m}:{t:.2f}/{best[m]:.2f}" for m, (t, _) in per_m.items()),
+        flush=True,
+    )
+    buckets = [
+        {"max_m": m, "kernel": "splitk", **c.params, "us": round(t, 3), "fastest_us": round(best[m], 3)}
+        for m, (t, c) in per_m.items()
+    ]
     buckets[-1]["max_m"] = None
     return buckets
 
@@ -208,7 +252,9 @@ def _reload_table(path: Path) -> None:
     import csrc_triton.configs as configs
 
     configs.load_table.cache_clear()
-    configs.CONFIG_DIR = path.parent if path.name == f"{device_key(torch.cuda.get_device_name())}.json" else configs.CONFIG_DIR
+    configs.CONFIG_DIR = (
+        path.parent if path.name == f"{device_key(torch.cuda.get_device_name())}.json" else configs.CONFIG_DIR
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,15 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 
 #: Launch parameters a table entry may carry; other keys ("us", "worst_ratio") are notes.
 PARAM_KEYS = (
-    "block_m", "block_n", "block_k", "k_per_split", "promote_chunks", "ticket", "group_m", "num_warps", "num_stages",
+    "block_m",
+    "block_n",
+    "block_k",
+    "k_per_split",
+    "promote_chunks",
+    "ticket",
+    "group_m",
+    "num_warps",
+    "num_stages",
 )
 
 
@@ -44,7 +52,7 @@ def device_key(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_table(device_name: str) -> dict[str, Any]:
     path = CONFIG_DIR / f"{device_key(device_name)}.json"
     if not path.exists():
@@ -77,21 +85,40 @@ def heuristic_config(
         promote = _fp32_promotion(block_k) if fp32 else 0
         return KernelConfig(
             "splitk",
-            dict(block_m=block_m, block_n=block_n, block_k=block_k, k_per_split=k_per_split,
-                 promote_chunks=promote, num_warps=4, num_stages=1),
+            dict(
+                block_m=block_m,
+                block_n=block_n,
+                block_k=block_k,
+                k_per_split=k_per_split,
+                promote_chunks=promote,
+                num_warps=4,
+                num_stages=1,
+            ),
         )
     block_m = 64 if m <= 1024 else 128
     block_k = 64
     return KernelConfig(
         "tiled",
-        dict(block_m=block_m, block_n=128 if n >= 128 else 64, block_k=block_k,
-             promote_chunks=_fp32_promotion(block_k) if fp32 else 0, group_m=8, num_warps=8 if block_m == 128 else 4,
-             num_stages=3),
+        dict(
+            block_m=block_m,
+            block_n=128 if n >= 128 else 64,
+            block_k=block_k,
+            promote_chunks=_fp32_promotion(block_k) if fp32 else 0,
+            group_m=8,
+            num_warps=8 if block_m == 128 else 4,
+            num_stages=3,
+        ),
     )
 
 
 def select_config(
-    m: int, k: int, n: int, mode: str, batch_invariant: bool, device_name: str, sm_count: int,
+    m: int,
+    k: int,
+    n: int,
+    mode: str,
+    batch_invariant: bool,
+    device_name: str,
+    sm_count: int,
     cublas: bool = True,
 ) -> KernelConfig:
     table_mode = "fp32" if mode == "fp32" else "bf16-fp32out"

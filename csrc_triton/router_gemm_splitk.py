@@ -91,7 +91,9 @@ def _splitk_partials_kernel(
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for s in tl.static_range(SPLIT_K):  # fixed order: split 0, 1, ..., S-1
                     # .cg: read from L2, never from a stale L1 line of an earlier call
-                    total += tl.load(part_ptr + s * stride_ps + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                    total += tl.load(
+                        part_ptr + s * stride_ps + tile, mask=mask, other=0.0, cache_modifier=".cg"
+                    )
                 o = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
                 tl.store(o, total.to(out_ptr.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(ticket_ptr + ticket_idx, 0, sem="relaxed", scope="gpu")

@@ -46,9 +46,10 @@ def gen():
 @pytest.fixture(scope="session")
 def vllm_dist(tmp_path_factory):
     """vLLM config + a 1-process gloo group, so vLLM layers can be built in-process (no engine)."""
-    import vllm_router_ext
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    import vllm_router_ext
 
     vllm_router_ext.register()
     cfg = VllmConfig()

@@ -15,10 +15,21 @@ from vllm_router_ext.precision import RouterPrecision
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 SPLITK = KernelConfig("splitk", dict(block_m=16, block_n=16, block_k=32, k_per_split=128, promote_chunks=0))
-SPLITK_PROMOTED = KernelConfig("splitk", dict(block_m=16, block_n=16, block_k=32, k_per_split=128, promote_chunks=2))
-TILED = KernelConfig("tiled", dict(block_m=16, block_n=32, block_k=32, promote_chunks=0, group_m=2, num_warps=4, num_stages=2))
-TILED_PROMOTED = KernelConfig("tiled", dict(block_m=16, block_n=32, block_k=32, promote_chunks=2, group_m=2, num_warps=4, num_stages=2))
-CONFIGS = {"splitk": SPLITK, "splitk-promoted": SPLITK_PROMOTED, "tiled": TILED, "tiled-promoted": TILED_PROMOTED}
+SPLITK_PROMOTED = KernelConfig(
+    "splitk", dict(block_m=16, block_n=16, block_k=32, k_per_split=128, promote_chunks=2)
+)
+TILED = KernelConfig(
+    "tiled", dict(block_m=16, block_n=32, block_k=32, promote_chunks=0, group_m=2, num_warps=4, num_stages=2)
+)
+TILED_PROMOTED = KernelConfig(
+    "tiled", dict(block_m=16, block_n=32, block_k=32, promote_chunks=2, group_m=2, num_warps=4, num_stages=2)
+)
+CONFIGS = {
+    "splitk": SPLITK,
+    "splitk-promoted": SPLITK_PROMOTED,
+    "tiled": TILED,
+    "tiled-promoted": TILED_PROMOTED,
+}
 
 
 def _inputs(gen, m, k, n, w_dtype=torch.bfloat16, row_stride=None):
@@ -113,7 +124,14 @@ def test_tuned_table_lookup(monkeypatch):
         "shapes": {
             "7168x256": {
                 "bf16-fp32out": [
-                    {"max_m": 16, "kernel": "splitk", "block_m": 16, "block_n": 16, "block_k": 128, "k_per_split": 512},
+                    {
+                        "max_m": 16,
+                        "kernel": "splitk",
+                        "block_m": 16,
+                        "block_n": 16,
+                        "block_k": 128,
+                        "k_per_split": 512,
+                    },
                     {"max_m": 512, "kernel": "cublas"},
                     {"max_m": None, "kernel": "tiled", "block_m": 128, "block_n": 128, "block_k": 64},
                 ]

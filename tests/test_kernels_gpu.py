@@ -38,7 +38,9 @@ def test_every_shape_and_m_poisoned_and_accurate(shape, mode):
         cfg = config_for(x, w, prec, False)
         out_dtype = torch.bfloat16 if mode == "bf16" else torch.float32
         out = torch.full((m, shape.n), float("nan"), dtype=out_dtype, device="cuda")
-        res = run_config(cfg, x.contiguous() if cfg.kernel == "cublas" else x, w, out, dot_mode_for(x.dtype, w.dtype))
+        res = run_config(
+            cfg, x.contiguous() if cfg.kernel == "cublas" else x, w, out, dot_mode_for(x.dtype, w.dtype)
+        )
         assert not res.isnan().any(), (m, cfg.describe())
         via_op = router_gemm(x, w, mode)
         assert via_op.dtype == out_dtype and via_op.shape == (m, shape.n)
@@ -123,4 +125,6 @@ def test_selfcheck_passes_on_the_invariant_kernel_and_refuses_a_variant_one():
     check_batch_invariance(lambda x, w: router_gemm(x, w, "fp32", batch_invariant=True), w)
     # The non-invariant dispatch changes kernel and K split with M: the check must see it.
     with pytest.raises(BatchInvarianceError):
-        check_batch_invariance(lambda x, w: router_gemm(x, w, "bf16-fp32out"), w, sizes=(1, 2, 3, 17, 64, 255, 4096))
+        check_batch_invariance(
+            lambda x, w: router_gemm(x, w, "bf16-fp32out"), w, sizes=(1, 2, 3, 17, 64, 255, 4096)
+        )

@@ -91,7 +91,12 @@ def test_invalid_value_names_source_and_allowed(source):
         resolve_router_precision(architecture="DeepseekV3ForCausalLM", **{source: "fp16-ish"})
     msg = str(e.value)
     assert "'fp16-ish'" in msg and "fp32, bf16-fp32out, bf16" in msg
-    expected = {"cli": "--router-precision", "additional_config": CONFIG_KEY, "env": ENV_VAR, "hf_config": "HF config"}
+    expected = {
+        "cli": "--router-precision",
+        "additional_config": CONFIG_KEY,
+        "env": ENV_VAR,
+        "hf_config": "HF config",
+    }
     assert expected[source] in msg
 
 

@@ -77,7 +77,9 @@ def test_bad_input_is_a_clear_value_error(x_shape, w_shape, precision, dtype, ma
 
 def test_bf16_fp32out_rejects_mixed_16bit_dtypes():
     with pytest.raises(ValueError, match="one 16-bit dtype"):
-        router_gemm(torch.ones(2, 4, dtype=torch.float16), torch.ones(8, 4, dtype=torch.bfloat16), "bf16-fp32out")
+        router_gemm(
+            torch.ones(2, 4, dtype=torch.float16), torch.ones(8, 4, dtype=torch.bfloat16), "bf16-fp32out"
+        )
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -111,3 +111,14 @@ def test_tensor_parallel_2_both_ranks_use_the_resolved_precision(tiny_model, run
         assert [g["out_dtype"] for g in rank_gates] == ["torch.float32"]
     assert all(len(t) > 0 for t in result["texts"])
     _check_gate_records(result, tiny_model, "fp32")
+
+
+def test_batch_invariant_request_reaches_gates_and_passes_the_startup_check(tiny_model, run_offline):
+    result = run_offline(
+        tiny_model, additional_config={"router_precision": "fp32", "router_batch_invariant": True}
+    )
+    (g,) = result["gates"][0]
+    assert g["precision"] == "fp32" and g["batch_invariant"] is True
+    _check_gate_records(result, tiny_model, "fp32")
+    (line,) = [ln for ln in result["log"].splitlines() if "vllm-router-ext: router precision" in ln]
+    assert "batch-invariant on (from additional_config['router_batch_invariant'])" in line

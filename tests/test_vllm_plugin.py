@@ -34,10 +34,10 @@ def test_entry_point_is_discovered_by_vllm():
 
 
 def test_register_is_idempotent_and_replaces_gate_linear(vllm_dist):
-    import vllm_router_ext
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 
+    import vllm_router_ext
     from vllm_router_ext.layers.gate import RouterGateLinear
 
     vllm_router_ext.register()
@@ -115,7 +115,9 @@ def test_gate_in_scope_runs_the_mode(vllm_dist, gen, mode):
         ("bf16-fp32out", False, "fp32-inexact", "bf16-fp32out", torch.bfloat16),  # explicit: rounds
     ],
 )
-def test_weight_storage_rules_at_load(vllm_dist, gen, settings_precision, from_auto, weight_kind, expect_precision, expect_dtype):
+def test_weight_storage_rules_at_load(
+    vllm_dist, gen, settings_precision, from_auto, weight_kind, expect_precision, expect_dtype
+):
     from vllm_router_ext.layers.gate import router_settings_scope
     from vllm_router_ext.ops.reference import reference_logits, relative_error
 

@@ -54,7 +54,10 @@ def environment() -> dict:
     def _smi(q: str) -> str:
         try:
             return subprocess.run(
-                ["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+                ["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
             ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return "?"
@@ -79,17 +82,30 @@ def run_speed(shapes, ms, methods, on_shape_done=None) -> list[dict]:
             copies = rotation_copies(m, shape.k, shape.n)
             xs, ws = make_inputs(m, shape.k, shape.n, copies)
             w32s = [w.float() for w in ws]  # the PR #47410 layout: weight stored in fp32
-            row = {"shape": shape.name, "K": shape.k, "N": shape.n, "M": m, "floor_us": floor_us(m, shape.k, shape.n)}
+            row = {
+                "shape": shape.name,
+                "K": shape.k,
+                "N": shape.n,
+                "M": m,
+                "floor_us": floor_us(m, shape.k, shape.n),
+            }
             for name in methods:
                 fn = METHODS[name]
-                calls = [lambda x=x, w=w, w32=w32, fn=fn: fn(x, w, w32) for x, w, w32 in zip(xs, ws, w32s, strict=True)]
+                calls = [
+                    lambda x=x, w=w, w32=w32, fn=fn: fn(x, w, w32)
+                    for x, w, w32 in zip(xs, ws, w32s, strict=True)
+                ]
                 row[name] = time_graph(calls, warmup=10, rep=50)
             rows.append(row)
             base = row.get(BASELINE)
             print(
                 f"{shape.name:>17} M={m:>5}  "
                 + "  ".join(f"{n.replace('ours ', '')}={row[n]:.2f}" for n in methods)
-                + (f"  | ours/cuBLAS={row['ours bf16-fp32out'] / base:.2f}" if base and "ours bf16-fp32out" in row else ""),
+                + (
+                    f"  | ours/cuBLAS={row['ours bf16-fp32out'] / base:.2f}"
+                    if base and "ours bf16-fp32out" in row
+                    else ""
+                ),
                 flush=True,
             )
             del xs, ws, w32s
@@ -123,14 +139,20 @@ def run_accuracy(shapes, tokens: int = 8192, seed: int = 7) -> list[dict]:
             key = id(weight)
             if key not in refs:
                 ref = x.double() @ weight.double().T
-                refs[key] = (ref, select_experts(ref, shape.routing, None if bias is None else bias.double())[0])
+                refs[key] = (
+                    ref,
+                    select_experts(ref, shape.routing, None if bias is None else bias.double())[0],
+                )
             ref, ref_ids = refs[key]
             rel = ((logits.double() - ref).norm() / ref.norm()).item()
             # Routing in fp64 on each path's logits isolates what the GEMM's output does.
             ids = select_experts(logits.double(), shape.routing, None if bias is None else bias.double())[0]
             changed = changed_expert_sets(ids, ref_ids).float().mean().item() * 100
             rows.append({"shape": shape.name, "path": name, "rel_err": rel, "changed_pct": changed})
-            print(f"{shape.name:>17} {name:>24}: rel err {rel:.2e}  changed expert sets {changed:.3f} %", flush=True)
+            print(
+                f"{shape.name:>17} {name:>24}: rel err {rel:.2e}  changed expert sets {changed:.3f} %",
+                flush=True,
+            )
     return rows
 
 
@@ -216,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_accuracy:
         result["accuracy"] = run_accuracy(shapes)
         result["fp32_by_m"] = run_fp32_by_m()
+
     def save(rows: list[dict]) -> None:  # after every shape: a cut-short run keeps what it measured
         result["speed"] = rows
         (out / "bench.json").write_text(json.dumps(result, indent=1))

@@ -22,7 +22,9 @@ class RouterShape:
 SHAPES: tuple[RouterShape, ...] = (
     RouterShape("DeepSeek-V3", 7168, 256, RoutingConfig(8, 8, 4, "sigmoid", "noaux_tc", True, 2.5)),
     RouterShape("Kimi-K2", 7168, 384, RoutingConfig(8, 1, 1, "sigmoid", "noaux_tc", True, 2.827)),
-    RouterShape("DeepSeek-V2", 5120, 160, RoutingConfig(6, 8, 3, "softmax", "group_limited_greedy", False, 16.0)),
+    RouterShape(
+        "DeepSeek-V2", 5120, 160, RoutingConfig(6, 8, 3, "softmax", "group_limited_greedy", False, 16.0)
+    ),
     RouterShape("GLM-5", 6144, 256, RoutingConfig(8, 1, 1, "sigmoid", "noaux_tc", True, 2.5)),
     RouterShape("DeepSeek-V2-Lite", 2048, 64, RoutingConfig(6, 1, 1, "softmax", "greedy", False, 1.0)),
 )
@@ -33,7 +35,9 @@ M_LIST = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 ROTATE_BYTES = 200 * 2**20
 
 
-def make_inputs(m: int, k: int, n: int, copies: int, device: str = "cuda", w_dtype=torch.bfloat16, seed: int = 0):
+def make_inputs(
+    m: int, k: int, n: int, copies: int, device: str = "cuda", w_dtype=torch.bfloat16, seed: int = 0
+):
     g = torch.Generator(device=device).manual_seed(seed)
     xs = [torch.randn(m, k, device=device, generator=g).to(torch.bfloat16) for _ in range(copies)]
     ws = [(torch.randn(n, k, device=device, generator=g) / k**0.5).to(w_dtype) for _ in range(copies)]

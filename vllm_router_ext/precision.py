@@ -67,8 +67,7 @@ class RouterPrecision(str, enum.Enum):
             if found is not None:
                 return found
         raise ValueError(
-            f"invalid router precision {value!r} from {source}; "
-            f"allowed values: {', '.join(cls.choices())}"
+            f"invalid router precision {value!r} from {source}; allowed values: {', '.join(cls.choices())}"
         )
 
     @property

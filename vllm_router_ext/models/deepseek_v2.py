@@ -32,17 +32,16 @@ def router_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The gates of ``model`` that this plugin owns."""
     from vllm_router_ext.layers.gate import RouterGateLinear
 
-    return [
-        m for m in model.modules() if isinstance(m, RouterGateLinear) and m.router_settings is not None
-    ]
+    return [m for m in model.modules() if isinstance(m, RouterGateLinear) and m.router_settings is not None]
 
 
-def describe_implementation(settings: RouterSettings, device: torch.device, weight_dtype: torch.dtype) -> str:
-    if device.type != "cuda":
-        return f"plain torch on {device.type} (forward_native)"
+def describe_implementation(settings: RouterSettings, weight: torch.Tensor) -> str:
+    if weight.device.type != "cuda":
+        return f"plain torch on {weight.device.type} (forward_native)"
     from vllm_router_ext.ops.dispatch import describe_cuda_dispatch
 
-    return describe_cuda_dispatch(settings.precision, settings.batch_invariant, weight_dtype)
+    n, k = weight.shape
+    return describe_cuda_dispatch(settings.precision, settings.batch_invariant, weight.dtype, k, n)
 
 
 class RouterPrecisionMixin:
@@ -83,19 +82,17 @@ class RouterPrecisionMixin:
         for g in gates:
             key = (g.router_settings, g.weight.dtype, g.weight.device, g.router_weight_kept_bf16)
             by_settings.setdefault(key, []).append(g)
-        for (settings, wdtype, device, kept_bf16), group in by_settings.items():
+        for (settings, wdtype, _device, kept_bf16), group in by_settings.items():
             weight_note = str(wdtype).replace("torch.", "")
             if settings.precision is RouterPrecision.FP32:
-                weight_note += (
-                    " (kept: the checkpoint's values are exactly bf16)" if kept_bf16 else ""
-                )
+                weight_note += " (kept: the checkpoint's values are exactly bf16)" if kept_bf16 else ""
             logger.info(
                 "vllm-router-ext: %s; %d gate(s); weight %s; logits %s; implementation: %s",
                 settings.describe(),
                 len(group),
                 weight_note,
                 "float32" if settings.precision.logits_dtype == torch.float32 else "model dtype",
-                describe_implementation(settings, device, wdtype),
+                describe_implementation(settings, group[0].weight),
             )
 
 

@@ -82,8 +82,10 @@ def router_gemm_cuda(
     return run_config(cfg, x, weight, out, dot_mode_for(x.dtype, weight.dtype))
 
 
-def describe_cuda_dispatch(precision: RouterPrecision, batch_invariant: bool, weight_dtype: torch.dtype) -> str:
-    """One line for the start-up log: which kernels run for which M on this GPU."""
+def describe_cuda_dispatch(
+    precision: RouterPrecision, batch_invariant: bool, weight_dtype: torch.dtype, k: int, n: int
+) -> str:
+    """One line for the start-up log: which kernels run on this GPU for a [n, k] gate."""
     from csrc_triton.configs import load_table, select_config
 
     name, sms = _device_info(torch.cuda.current_device())
@@ -91,8 +93,12 @@ def describe_cuda_dispatch(precision: RouterPrecision, batch_invariant: bool, we
         dot_mode_for(torch.bfloat16, weight_dtype)
     ]
     if batch_invariant:
-        cfg = select_config(1, 7168, 256, precision.value, True, name, sms)
-        return f"batch-invariant {cfg.describe()} for every M ({dot}, {cfg.source})"
-    tuned = "tuned table" if load_table(name) else "heuristic configs (no tuned table for this GPU)"
+        cfg = select_config(1, k, n, precision.value, True, name, sms)
+        kps = cfg.params.get("k_per_split")
+        return f"batch-invariant triton split-K, K split {kps} fixed for every M ({dot}; {cfg.source})"
+    tuned = "tuned table" if load_table(name).get("shapes", {}).get(f"{k}x{n}") else "heuristic configs"
     promo = ", promoted fp32 accumulation" if precision is RouterPrecision.FP32 else ""
-    return f"triton split-K (small M) / tiled (large M) / cuBLAS where faster, by M at run time ({dot}{promo}; {tuned})"
+    return (
+        "triton split-K (small M) / tiled (large M) / cuBLAS where faster, by M at run time "
+        f"({dot}{promo}; {tuned})"
+    )

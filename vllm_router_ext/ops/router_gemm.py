@@ -39,7 +39,11 @@ def check_router_gemm_inputs(x: torch.Tensor, weight: torch.Tensor, precision: R
             raise ValueError(f"{name} has dtype {t.dtype}; allowed: {_DTYPE_NAMES}")
     if x.device != weight.device:
         raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
-    if precision is RouterPrecision.BF16_FP32OUT and weight.dtype != torch.float32 and x.dtype != weight.dtype:
+    if (
+        precision is RouterPrecision.BF16_FP32OUT
+        and weight.dtype != torch.float32
+        and x.dtype != weight.dtype
+    ):
         raise ValueError(
             f"bf16-fp32out multiplies x and weight in one 16-bit dtype, got x {x.dtype} and "
             f"weight {weight.dtype}"
@@ -73,17 +77,23 @@ def _logits_dtype(x: torch.Tensor, precision: str) -> torch.dtype:
     return x.dtype if precision == RouterPrecision.BF16.value else torch.float32
 
 
-def _router_gemm_cpu(x: torch.Tensor, weight: torch.Tensor, precision: str, batch_invariant: bool) -> torch.Tensor:
+def _router_gemm_cpu(
+    x: torch.Tensor, weight: torch.Tensor, precision: str, batch_invariant: bool
+) -> torch.Tensor:
     return router_gemm_native(x, weight, RouterPrecision(precision), batch_invariant)
 
 
-def _router_gemm_cuda(x: torch.Tensor, weight: torch.Tensor, precision: str, batch_invariant: bool) -> torch.Tensor:
+def _router_gemm_cuda(
+    x: torch.Tensor, weight: torch.Tensor, precision: str, batch_invariant: bool
+) -> torch.Tensor:
     from vllm_router_ext.ops.dispatch import router_gemm_cuda
 
     return router_gemm_cuda(x, weight, RouterPrecision(precision), batch_invariant)
 
 
-def _router_gemm_fake(x: torch.Tensor, weight: torch.Tensor, precision: str, batch_invariant: bool) -> torch.Tensor:
+def _router_gemm_fake(
+    x: torch.Tensor, weight: torch.Tensor, precision: str, batch_invariant: bool
+) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=_logits_dtype(x, precision))
 
 

@@ -49,9 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     llm.apply_model(probes.install_gate_recorders)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=args.max_tokens, temperature=0))
     records = llm.apply_model(probes.collect_gate_records)[0]
-    torch.save(
-        {"texts": [o.outputs[0].text for o in outs], "gates": gates, "records": records}, args.out
-    )
+    torch.save({"texts": [o.outputs[0].text for o in outs], "gates": gates, "records": records}, args.out)
     return 0
 
 

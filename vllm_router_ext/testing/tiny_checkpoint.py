@@ -184,9 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gate-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = p.parse_args(argv)
-    path = build_tiny_deepseek_v3(
-        args.out_dir, seed=args.seed, gate_dtype=getattr(torch, args.gate_dtype)
-    )
+    path = build_tiny_deepseek_v3(args.out_dir, seed=args.seed, gate_dtype=getattr(torch, args.gate_dtype))
     print(f"tiny DeepSeek-V3 checkpoint written to {path}")
     return 0
 
