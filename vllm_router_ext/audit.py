@@ -1,0 +1,319 @@
+"""Routing audit: what each router precision does to a checkpoint's expert choice.
+
+    python -m vllm_router_ext.audit MODEL_DIR [--hidden-states FILE] [--tokens 4096] [--seed 0]
+        [--device cpu|cuda] [--modes fp32,bf16-fp32out,bf16] [--no-batch-invariant] [--out DIR]
+
+Reads ``config.json`` and, through the safetensors index, only the ``*.mlp.gate.weight`` and
+``*.mlp.gate.e_score_correction_bias`` tensors, one MoE layer at a time (never the experts). For
+every mode it computes the logits with the plugin's own ``router_gemm`` on the chosen device,
+routes them the way vLLM routes that config (DeepSeek-V3 family: sigmoid + correction bias,
+``noaux_tc`` grouped top-k; DeepSeek-V2: softmax, ``greedy`` / ``group_limited_greedy``) and
+compares with an fp64 reference: relative error, % of tokens whose expert set changed, mean and
+p99 of |Δ routed weight| (L1 over a token's experts). Prints a per-layer and an overall table,
+writes ``audit.json`` and ``audit.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vllm_router_ext.ops import router_gemm
+from vllm_router_ext.ops.reference import RoutingConfig, changed_expert_sets, select_experts
+from vllm_router_ext.precision import DEEPSEEK_V2_FAMILY
+
+DEEPSEEK_MODEL_TYPES = ("deepseek", "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa")
+GATE_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.weight$")
+ALL_MODES = ("fp32", "bf16-fp32out", "bf16")
+
+
+class AuditError(ValueError):
+    """A checkpoint or input the audit cannot use; the message says what and why."""
+
+
+@dataclass
+class Checkpoint:
+    root: Path
+    config: dict
+    weight_map: dict[str, str]  # tensor name -> file name
+
+    @property
+    def gate_layers(self) -> list[int]:
+        return sorted(int(m.group(1)) for name in self.weight_map if (m := GATE_RE.match(name)))
+
+    def tensor(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self.weight_map:
+            raise AuditError(f"{self.root}: tensor {name!r} is not in the checkpoint")
+        with safe_open(str(self.root / self.weight_map[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def open_checkpoint(model_dir: str | Path) -> Checkpoint:
+    root = Path(model_dir)
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise AuditError(f"{root} has no config.json: not a Hugging Face checkpoint directory")
+    config = json.loads(cfg_path.read_text())
+    archs = config.get("architectures") or []
+    if not (set(archs) & set(DEEPSEEK_V2_FAMILY) or config.get("model_type") in DEEPSEEK_MODEL_TYPES):
+        raise AuditError(
+            f"{root} is not a DeepSeek-family checkpoint (architectures {archs}, model_type "
+            f"{config.get('model_type')!r}); supported architectures: {', '.join(DEEPSEEK_V2_FAMILY)}"
+        )
+    for key in ("hidden_size", "n_routed_experts", "num_experts_per_tok"):
+        if key not in config:
+            raise AuditError(f"{cfg_path}: missing {key!r}, needed for routing")
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (root / "model.safetensors").is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+        raise AuditError(f"{root} has neither model.safetensors.index.json nor model.safetensors")
+    ckpt = Checkpoint(root, config, weight_map)
+    if not ckpt.gate_layers:
+        raise AuditError(f"{root}: no tensors named model.layers.N.mlp.gate.weight (no MoE layers found)")
+    return ckpt
+
+
+def load_gate(ckpt: Checkpoint, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cfg = ckpt.config
+    n, k = int(cfg["n_routed_experts"]), int(cfg["hidden_size"])
+    w = ckpt.tensor(f"model.layers.{layer}.mlp.gate.weight")
+    if tuple(w.shape) != (n, k):
+        raise AuditError(
+            f"layer {layer}: gate weight has shape {tuple(w.shape)}, config says [{n}, {k}] "
+            "(n_routed_experts, hidden_size)"
+        )
+    bias = None
+    if cfg.get("topk_method") == "noaux_tc":
+        bias = ckpt.tensor(f"model.layers.{layer}.mlp.gate.e_score_correction_bias").float()
+        if tuple(bias.shape) != (n,):
+            raise AuditError(
+                f"layer {layer}: e_score_correction_bias has shape {tuple(bias.shape)}, expected [{n}]"
+            )
+    return w, bias
+
+
+def random_hidden_states(tokens: int, k: int, seed: int) -> torch.Tensor:
+    """RMS-normalised Gaussian activations (what a gate sees after RMSNorm with unit weight)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, k, generator=g)
+    return (x / x.pow(2).mean(-1, keepdim=True).sqrt()).to(torch.bfloat16)
+
+
+def load_hidden_states(path: str | Path, k: int) -> dict[int, torch.Tensor] | torch.Tensor:
+    """A [T, K] tensor shared by all layers, or per-layer tensors: safetensors keys
+    ``hidden_states`` or ``layers.N``; a .pt file holding a tensor or a {layer: tensor} dict."""
+    p = Path(path)
+    if not p.is_file():
+        raise AuditError(f"hidden-states file {p} does not exist")
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        data = load_file(str(p))
+        if "hidden_states" in data:
+            data = data["hidden_states"]
+        else:
+            data = {
+                int(name.split(".")[1]): t for name, t in data.items() if re.match(r"^layers\.\d+$", name)
+            }
+    else:
+        data = torch.load(p, map_location="cpu", weights_only=True)
+    tensors = data.values() if isinstance(data, dict) else [data]
+    if isinstance(data, dict) and not data:
+        raise AuditError(f"{p}: no 'hidden_states' or 'layers.N' tensors")
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != k:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise AuditError(f"{p}: hidden states must be [T, {k}] (hidden_size), got {shape}")
+    return data
+
+
+def _routed_weight_delta(ids_a, w_a, ids_b, w_b, n: int) -> torch.Tensor:
+    dense_a = torch.zeros(ids_a.shape[0], n, dtype=torch.float64).scatter_(1, ids_a.long(), w_a.double())
+    dense_b = torch.zeros(ids_b.shape[0], n, dtype=torch.float64).scatter_(1, ids_b.long(), w_b.double())
+    return (dense_a - dense_b).abs().sum(-1)
+
+
+def audit_layer(x, w, bias, routing: RoutingConfig, paths: list[tuple[str, str, bool]], device: str) -> dict:
+    ref = x.double() @ w.double().T
+    ref_bias = None if bias is None else bias.double()
+    ref_ids, ref_w = select_experts(ref, routing, ref_bias)
+    n = w.shape[0]
+    xd = x.to(device)
+    out = {}
+    for label, mode, bi in paths:
+        weight = w if mode == "fp32" else w.to(torch.bfloat16)
+        logits = router_gemm(xd, weight.to(device), mode, batch_invariant=bi).cpu()
+        # Route as vLLM does for this config, in fp32 (bf16 logits keep their rounding).
+        ids, wts = select_experts(logits.float(), routing, None if bias is None else bias.float())
+        delta = _routed_weight_delta(ids, wts, ref_ids, ref_w, n)
+        out[label] = {
+            "rel_err": ((logits.double() - ref).norm() / ref.norm()).item(),
+            "changed_pct": changed_expert_sets(ids, ref_ids).double().mean().item() * 100,
+            "changed_tokens": int(changed_expert_sets(ids, ref_ids).sum()),
+            "dw_mean": delta.mean().item(),
+            "dw_p99": torch.quantile(delta, 0.99).item() if len(delta) else 0.0,
+        }
+    return out
+
+
+def run_audit(
+    model_dir: str | Path,
+    *,
+    hidden_states: str | Path | None = None,
+    tokens: int = 4096,
+    seed: int = 0,
+    device: str = "cpu",
+    modes: tuple[str, ...] = ALL_MODES,
+    batch_invariant: bool = True,
+    progress: bool = True,
+) -> dict:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise AuditError("--device cuda requested but no CUDA GPU is available; allowed here: cpu")
+    bad = [m for m in modes if m not in ALL_MODES]
+    if bad:
+        raise AuditError(f"unknown mode(s) {bad}; allowed: {', '.join(ALL_MODES)}")
+    ckpt = open_checkpoint(model_dir)
+    cfg = ckpt.config
+    k = int(cfg["hidden_size"])
+    routing = RoutingConfig.from_hf_config(cfg)
+    paths = [(m, m, False) for m in modes]
+    if batch_invariant:
+        paths += [(f"{m} batch-invariant", m, True) for m in modes if m != "bf16"]
+    shared = (
+        random_hidden_states(tokens, k, seed)
+        if hidden_states is None
+        else load_hidden_states(hidden_states, k)
+    )
+    layers = ckpt.gate_layers
+    expected = range(int(cfg.get("first_k_dense_replace", 0)), int(cfg.get("num_hidden_layers", 0)))
+    missing = [i for i in expected if i not in layers and cfg.get("moe_layer_freq", 1) == 1]
+    if missing:
+        raise AuditError(f"{ckpt.root}: MoE layer(s) {missing} have no mlp.gate.weight in the checkpoint")
+    from tqdm import tqdm
+
+    per_layer = {}
+    for layer in tqdm(layers, desc="auditing router layers", disable=not progress, file=sys.stderr):
+        w, bias = load_gate(ckpt, layer)
+        if isinstance(shared, dict):
+            if layer not in shared:
+                raise AuditError(f"hidden states have no tensor for layer {layer} (have {sorted(shared)})")
+            x = shared[layer]
+        else:
+            x = shared
+        per_layer[layer] = audit_layer(x.to(torch.bfloat16), w, bias, routing, paths, device)
+    labels = [p[0] for p in paths]
+    overall = {
+        label: {
+            key: sum(per_layer[i][label][key] for i in layers) / len(layers)
+            for key in per_layer[layers[0]][label]
+        }
+        for label in labels
+    }
+    return {
+        "model": str(ckpt.root),
+        "architectures": cfg.get("architectures"),
+        "routing": routing.__dict__,
+        "tokens": int(next(iter(shared.values())).shape[0])
+        if isinstance(shared, dict)
+        else int(shared.shape[0]),
+        "device": device,
+        "layers": {str(i): v for i, v in per_layer.items()},
+        "overall": overall,
+    }
+
+
+def format_tables(result: dict) -> str:
+    labels = list(result["overall"])
+    lines = [f"router audit: {result['model']} ({result['tokens']} tokens, device {result['device']})", ""]
+    head = "| layer | mode | rel err | changed expert sets | mean |Δw| | p99 |Δw| |"
+    sep = "|---:|---|---:|---:|---:|---:|"
+    lines += [head, sep]
+    def row(layer: str, label: str, r: dict) -> str:
+        return (
+            f"| {layer} | {label} | {r['rel_err']:.2e} | {r['changed_pct']:.3f} % | "
+            f"{r['dw_mean']:.2e} | {r['dw_p99']:.2e} |"
+        )
+
+    for layer, per_mode in result["layers"].items():
+        lines += [row(layer, label, per_mode[label]) for label in labels]
+    lines += ["", "overall (mean over layers):", head.replace("layer", "all"), sep]
+    lines += [row("all", label, result["overall"][label]) for label in labels]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = [int(i) for i in result["layers"]]
+    fig, ax = plt.subplots(figsize=(max(6, len(layers) * 0.15 + 4), 4))
+    for label in result["overall"]:
+        ax.plot(
+            layers,
+            [result["layers"][str(i)][label]["changed_pct"] for i in layers],
+            marker="o",
+            ms=3,
+            label=label,
+        )
+    ax.set_xlabel("MoE layer")
+    ax.set_ylabel("% tokens with a changed expert set vs fp64")
+    ax.set_title(Path(result["model"]).name)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vllm-router-audit", description=__doc__.splitlines()[0])
+    p.add_argument("model_dir")
+    p.add_argument("--hidden-states", default=None, help="safetensors/.pt file of [T, K] activations")
+    p.add_argument("--tokens", type=int, default=4096, help="random tokens when no --hidden-states")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--modes", default=",".join(ALL_MODES))
+    p.add_argument("--no-batch-invariant", action="store_true")
+    p.add_argument("--out", default="router-audit")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        result = run_audit(
+            args.model_dir,
+            hidden_states=args.hidden_states,
+            tokens=args.tokens,
+            seed=args.seed,
+            device=args.device,
+            modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+            batch_invariant=not args.no_batch_invariant,
+            progress=not args.no_progress,
+        )
+    except AuditError as e:
+        print(f"vllm-router-audit: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "audit.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / "audit.png")
+    print(format_tables(result))
+    print(f"\nwrote {out / 'audit.json'} and {out / 'audit.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
