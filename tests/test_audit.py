@@ -46,10 +46,16 @@ def test_cli_on_the_tiny_checkpoint(tiny_model, tmp_path):
     assert (out / "audit.png").stat().st_size > 1000
 
 
-def test_console_script_is_installed():
+def test_console_script_runs_on_the_tiny_checkpoint(tiny_model, tmp_path):
     exe = Path(sys.executable).parent / "vllm-router-audit"
-    p = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and "--hidden-states" in p.stdout
+    p = subprocess.run(
+        [str(exe), str(tiny_model), "--tokens", "64", "--out", str(tmp_path), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "| all | bf16 |" in p.stdout and (tmp_path / "audit.json").exists()
 
 
 def test_near_tied_gate_flips_exactly_the_known_tokens_in_bf16_only(tmp_path):

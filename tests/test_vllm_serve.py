@@ -43,3 +43,33 @@ def test_serve_rejects_an_unknown_precision_with_exit_2(tiny_model, tmp_path):
     assert "argument --router-precision: invalid choice: 'nonsense'" in p.stderr
     assert "auto" in p.stderr and "bf16-fp32out" in p.stderr
     assert "Traceback" not in p.stderr + p.stdout
+
+
+def test_serve_help_lists_the_flags(tmp_path):
+    p = subprocess.run(
+        [*vllm_command(), "serve", "--help=vllm-router-ext"],
+        env=cpu_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "--router-precision {auto,fp32,bf16-fp32out,bf16}" in p.stdout
+    assert "--router-batch-invariant" in p.stdout
+
+
+def test_demo_main_job(tmp_path):
+    """The README's main job (scripts/demo.sh runs exactly this module after the setup)."""
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-m", "vllm_router_ext.testing.demo", "--workdir", str(tmp_path)],
+        env=cpu_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "[demo] completion: " in p.stdout
+    assert "router precision bf16-fp32out (from --router-precision)" in p.stdout
+    assert "[demo] server stopped (exit code 0)" in p.stdout

@@ -260,6 +260,7 @@ def plot(result: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     layers = [int(i) for i in result["layers"]]
     fig, ax = plt.subplots(figsize=(max(6, len(layers) * 0.15 + 4), 4))
@@ -271,6 +272,7 @@ def plot(result: dict, path: Path) -> None:
             ms=3,
             label=label,
         )
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("MoE layer")
     ax.set_ylabel("% tokens with a changed expert set vs fp64")
     ax.set_title(Path(result["model"]).name)
