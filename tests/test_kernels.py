@@ -146,3 +146,19 @@ def test_tuned_table_lookup(monkeypatch):
     assert select_config(100, 7168, 256, "bf16", False, "GPU", 132).kernel == "cublas"
     assert select_config(100, 7168, 256, "fp32", False, "GPU", 132).source == "heuristic"
     assert select_config(100, 7168, 256, "bf16", False, "GPU", 132, cublas=False).kernel == "tiled"
+
+
+def test_startup_description_of_the_cuda_dispatch(monkeypatch):
+    """The implementation named in the start-up log line, against the shipped H200 table."""
+    import vllm_router_ext.ops.dispatch as d
+
+    monkeypatch.setattr(d, "_device_info", lambda index: ("NVIDIA H200", 132))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    text = d.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.bfloat16, 7168, 256)
+    assert "promoted fp32 accumulation" in text and "tuned table" in text and "16-bit MMA" in text
+    text = d.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.float32, 7168, 256)
+    assert "fp32 weight split into 3 bf16 MMAs" in text
+    text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, True, torch.bfloat16, 7168, 256)
+    assert text.startswith("batch-invariant triton split-K, K split 1024 fixed for every M")
+    text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, False, torch.bfloat16, 1000, 10)
+    assert "heuristic configs" in text
