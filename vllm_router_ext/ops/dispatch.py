@@ -41,15 +41,19 @@ def config_for(x: torch.Tensor, weight: torch.Tensor, precision: RouterPrecision
     )
 
 
+def _cublas(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    if out_dtype == x.dtype:  # the bf16 mode: stock cuBLAS GEMM, bf16 logits
+        return torch.mm(x, weight.T)
+    return torch.mm(x, weight.T, out_dtype=torch.float32)  # fp32 written by the GEMM epilogue
+
+
 def run_config(cfg, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, dot_mode: int) -> torch.Tensor:
     """Launch one config into ``out`` (used by the dispatch, the tuner and the tests)."""
     from csrc_triton.router_gemm_splitk import splitk_launch
     from csrc_triton.router_gemm_tiled import tiled_launch
 
     if cfg.kernel == "cublas":
-        if out.dtype == x.dtype:  # the bf16 mode: stock cuBLAS GEMM, bf16 logits
-            return torch.mm(x, weight.T)
-        return torch.mm(x, weight.T, out_dtype=torch.float32)
+        return _cublas(x, weight, out.dtype)
     params = dict(cfg.params)
     if cfg.kernel == "splitk":
         if not params.get("promote_chunks"):
@@ -75,10 +79,12 @@ def router_gemm_cuda(
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     out_dtype = x.dtype if precision is RouterPrecision.BF16 else torch.float32
-    out = torch.empty((x.shape[0], weight.shape[0]), dtype=out_dtype, device=x.device)
     if x.shape[0] == 0:
-        return out
+        return torch.empty((0, weight.shape[0]), dtype=out_dtype, device=x.device)
     cfg = config_for(x, weight, precision, batch_invariant)
+    if cfg.kernel == "cublas":
+        return _cublas(x, weight, out_dtype)  # allocates its own output
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=out_dtype, device=x.device)
     return run_config(cfg, x, weight, out, dot_mode_for(x.dtype, weight.dtype))
 
 
