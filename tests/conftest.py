@@ -76,7 +76,9 @@ def run_offline(tmp_path):
     """Run one ``vllm.LLM`` scenario in a subprocess; returns what the probe saved."""
     from vllm_router_ext.testing.server import cpu_env
 
-    def run(model: Path, *, additional_config=None, hf_overrides=None, tp=1, env=None, timeout=600):
+    def run(
+        model: Path, *, additional_config=None, hf_overrides=None, tp=1, env=None, compile=False, timeout=600
+    ):
         out = tmp_path / f"probe-{len(list(tmp_path.glob('probe-*')))}.pt"
         e = cpu_env(tmp_path)
         e.pop("TRITON_INTERPRET", None)
@@ -96,6 +98,7 @@ def run_offline(tmp_path):
             json.dumps(hf_overrides or {}),
             "--tp",
             str(tp),
+            *(["--compile"] if compile else []),
         ]
         p = subprocess.run(cmd, env=e, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
         log = p.stdout + p.stderr

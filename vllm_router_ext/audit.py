@@ -242,6 +242,7 @@ def format_tables(result: dict) -> str:
     head = "| layer | mode | rel err | changed expert sets | mean |Δw| | p99 |Δw| |"
     sep = "|---:|---|---:|---:|---:|---:|"
     lines += [head, sep]
+
     def row(layer: str, label: str, r: dict) -> str:
         return (
             f"| {layer} | {label} | {r['rel_err']:.2e} | {r['changed_pct']:.3f} % | "

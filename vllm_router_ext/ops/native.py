@@ -16,6 +16,8 @@ from vllm_router_ext.precision import RouterPrecision
 
 
 def _linear_fp32_ieee(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if not x.is_cuda:  # TF32 is a CUDA matter; keep the CPU path free of global flags (compile)
+        return F.linear(x.float(), weight.float())
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:

@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-overrides", default="{}")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=6)
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (vLLM's default)")
     args = p.parse_args(argv)
 
     import torch
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     llm = LLM(
         model=args.model,
-        enforce_eager=True,
+        enforce_eager=not args.compile,
         max_model_len=256,
         dtype="bfloat16",
         tensor_parallel_size=args.tp,
