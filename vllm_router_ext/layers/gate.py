@@ -128,7 +128,8 @@ class RouterGateLinear(GateLinear):
         self.allow_bf16x3_router_gemm = False
         self.allow_cublas_router_gemm = False
         self.allow_rocm_bf16x3_router_gemm = False
-        # Keep ``weight`` on CPU: vLLM's CPU GEMM dispatch would repack it and delete it.
+        # On the CPU platform vLLM's GEMM dispatch would repack ``weight`` for oneDNN and delete
+        # it after loading; our op reads ``weight`` itself.
         self._cpu_skip_gemm_dispatch = True
         self.router_gemm = RouterGemm(settings.precision, settings.batch_invariant)
 
