@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from csrc_triton.configs import CONFIG_DIR, KernelConfig, device_key  # noqa: E402
+from csrc_triton.configs import CONFIG_DIR, KernelConfig, device_key, splitk_config  # noqa: E402
 from vllm_router_ext.benchmarking import M_LIST, SHAPES, make_inputs, rotation_copies, time_graph  # noqa: E402
 from vllm_router_ext.ops.dispatch import dot_mode_for, run_config  # noqa: E402
 
@@ -51,28 +51,10 @@ TILED = [  # (block_m, block_n, block_k, num_warps, num_stages)
 BI_M = (1, 16, 64, 256, 4096)
 
 
-def _splitk_config(block_m: int, block_n: int, block_k: int, kps: int, warps: int, mode: str) -> KernelConfig:
-    """A split-K candidate; the fp32 mode uses BLOCK_K <= 64 and 128-long promoted chains."""
-    if mode == "fp32":
-        block_k = min(block_k, 64)
-    return KernelConfig(
-        "splitk",
-        dict(
-            block_m=block_m,
-            block_n=block_n,
-            block_k=block_k,
-            k_per_split=kps,
-            promote_chunks=(128 // block_k) if mode == "fp32" else 0,
-            num_warps=warps,
-            num_stages=1,
-        ),
-    )
-
-
 def splitk_candidates(m: int, mode: str) -> list[KernelConfig]:
     block_ms = sorted({min(64, max(16, 1 << (m - 1).bit_length())), 16 if m <= 64 else 64})
     return [
-        _splitk_config(block_m, block_n, block_k, kps, warps, mode)
+        splitk_config(block_m, block_n, block_k, kps, mode, warps)
         for block_m in block_ms
         for block_n, kps, block_k, warps in SPLITK_SHAPES
     ]
@@ -174,7 +156,7 @@ BI_TILES = [(16, 16, 4), (64, 32, 4), (64, 64, 4), (128, 64, 8), (128, 128, 8), 
 
 def _bi_config(kps: int, block_k: int, tiles: tuple[int, int, int], mode: str) -> KernelConfig:
     block_m, block_n, warps = tiles
-    return _splitk_config(block_m, block_n, block_k, kps, warps, mode)
+    return splitk_config(block_m, block_n, block_k, kps, mode, warps)
 
 
 def _fastest_non_invariant(shape, mode: str, m: int, xs, ws) -> float:

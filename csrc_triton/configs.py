@@ -65,6 +65,27 @@ def _fp32_promotion(block_k: int) -> int:
     return max(1, 128 // block_k)
 
 
+def splitk_config(
+    block_m: int, block_n: int, block_k: int, k_per_split: int, mode: str, num_warps: int = 4
+) -> KernelConfig:
+    """A split-K config; the fp32 mode uses BLOCK_K <= 64 and 128-long promoted MMA chains."""
+    fp32 = mode == "fp32"
+    if fp32:
+        block_k = min(block_k, 64)
+    return KernelConfig(
+        "splitk",
+        dict(
+            block_m=block_m,
+            block_n=block_n,
+            block_k=block_k,
+            k_per_split=k_per_split,
+            promote_chunks=_fp32_promotion(block_k) if fp32 else 0,
+            num_warps=num_warps,
+            num_stages=1,
+        ),
+    )
+
+
 def heuristic_config(
     m: int, k: int, n: int, mode: str, batch_invariant: bool, sm_count: int, cublas: bool = False
 ) -> KernelConfig:
@@ -81,20 +102,7 @@ def heuristic_config(
         n_blocks = -(-n // block_n)
         splits = max(1, min(k // 256, -(-2 * sm_count // n_blocks)))
         k_per_split = max(256, -(-k // splits + 255) // 256 * 256)
-        block_k = 128 if not fp32 else 64
-        promote = _fp32_promotion(block_k) if fp32 else 0
-        return KernelConfig(
-            "splitk",
-            dict(
-                block_m=block_m,
-                block_n=block_n,
-                block_k=block_k,
-                k_per_split=k_per_split,
-                promote_chunks=promote,
-                num_warps=4,
-                num_stages=1,
-            ),
-        )
+        return splitk_config(block_m, block_n, 128, k_per_split, mode)
     block_m = 64 if m <= 1024 else 128
     block_k = 64
     return KernelConfig(
