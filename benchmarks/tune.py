@@ -26,7 +26,16 @@ from csrc_triton.configs import CONFIG_DIR, KernelConfig, device_key, splitk_con
 from vllm_router_ext.benchmarking import M_LIST, SHAPES, make_inputs, rotation_copies, time_graph  # noqa: E402
 from vllm_router_ext.ops.dispatch import dot_mode_for, run_config  # noqa: E402
 
-SPLITK_SHAPES = [  # (block_n, k_per_split, block_k, num_warps); every one single-launch (ticket)
+GEMV_MAX_M = 16
+GEMV_SHAPES = [  # (block_n, num_warps) for BLOCK_M in {1, 2, 4} <= M; one K split (the probe's winners)
+    (1, 4),
+    (1, 8),
+    (1, 16),
+    (2, 4),
+    (2, 8),
+    (4, 4),
+]
+SPLITK_SHAPES = [  # (block_n, k_per_split, block_k, num_warps); unrolled, every one single-launch (ticket)
     (16, 512, 128, 4),
     (16, 512, 256, 4),
     (16, 512, 512, 4),
@@ -38,6 +47,15 @@ SPLITK_SHAPES = [  # (block_n, k_per_split, block_k, num_warps); every one singl
     (64, 512, 128, 4),
     (16, 1024, 256, 8),
 ]
+BIG_SPLITK = [  # (block_m, block_n, k_per_split, num_warps): software-pipelined, 3 stages, BLOCK_K 64
+    (64, 64, 1024, 4),
+    (64, 64, 2048, 4),
+    (64, 128, 2048, 4),
+    (128, 64, 2048, 4),
+    (128, 128, 1024, 8),
+    (128, 128, 3584, 8),
+    (128, 128, 7168, 8),
+]
 TILED = [  # (block_m, block_n, block_k, num_warps, num_stages)
     (64, 128, 64, 4, 3),
     (64, 256, 64, 8, 3),
@@ -48,16 +66,33 @@ TILED = [  # (block_m, block_n, block_k, num_warps, num_stages)
     (128, 256, 64, 8, 4),
     (256, 128, 64, 8, 3),
 ]
-BI_M = (1, 16, 64, 256, 4096)
+BI_M = (1, 16, 64, 256, 4096, 16384)
+
+
+def gemv_candidates(m: int) -> list[KernelConfig]:
+    p2 = 1 << (m - 1).bit_length()
+    return [
+        KernelConfig("gemv", dict(block_m=bm, block_n=bn, k_per_split=0, num_warps=warps))
+        for bm in sorted({min(p2, 4), min(p2, 2), 1})
+        for bn, warps in GEMV_SHAPES
+        if bm * bn <= 16 and (warps == 4 or bm * bn <= 2)
+    ]
 
 
 def splitk_candidates(m: int, mode: str) -> list[KernelConfig]:
-    block_ms = sorted({min(64, max(16, 1 << (m - 1).bit_length())), 16 if m <= 64 else 64})
-    return [
-        splitk_config(block_m, block_n, block_k, kps, mode, warps)
-        for block_m in block_ms
-        for block_n, kps, block_k, warps in SPLITK_SHAPES
-    ]
+    out = []
+    if m <= 512:
+        block_ms = sorted({min(64, max(16, 1 << (m - 1).bit_length())), 16 if m <= 64 else 64})
+        out += [
+            splitk_config(block_m, block_n, block_k, kps, mode, warps)
+            for block_m in block_ms
+            for block_n, kps, block_k, warps in SPLITK_SHAPES
+        ]
+    if m >= 128:
+        for block_m, block_n, kps, warps in BIG_SPLITK:
+            cfg = splitk_config(block_m, block_n, 64, kps, mode, warps)
+            out.append(KernelConfig("splitk", {**cfg.params, "num_stages": 3}))
+    return out
 
 
 def tiled_candidates(m: int, mode: str) -> list[KernelConfig]:
@@ -111,15 +146,12 @@ def tune_shape(shape, mode: str, ms) -> tuple[list[dict], dict[int, float]]:
     best_by_m: dict[int, tuple[float, KernelConfig]] = {}
     for m in ms:
         xs, ws = make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m)
-        cands = []
-        if m <= 512:
-            cands += splitk_candidates(m, mode)
-        if m >= 32:
-            cands += tiled_candidates(m, mode)
+        cands = gemv_candidates(m) if m <= GEMV_MAX_M else []
+        cands += splitk_candidates(m, mode)
+        if m >= 32:  # the tiled kernel never beat cuBLAS in the 16-bit modes: two for the record
+            cands += tiled_candidates(m, mode)[: None if mode == "fp32" else 2]
         if mode == "bf16-fp32out":
             cands.append(KernelConfig("cublas"))
-        if m <= 16:  # the two-launch split-K form, for the record
-            cands.append(KernelConfig("splitk", {**cands[0].params, "ticket": False}))
         results = []
         for cfg in cands:
             if cfg.kernel != "cublas" and not _check(cfg, xs[0], ws[0], mode):
@@ -128,11 +160,9 @@ def tune_shape(shape, mode: str, ms) -> tuple[list[dict], dict[int, float]]:
         results.sort(key=lambda r: r[0])
         best_by_m[m] = results[0]
         cub = next((t for t, c in results if c.kernel == "cublas"), None)
-        two = next((t for t, c in results if c.params.get("ticket") is False), None)
         print(
             f"  {shape.name} {mode} M={m}: best {results[0][0]:.2f} µs {results[0][1].describe()}"
-            + (f"  (cuBLAS {cub:.2f})" if cub else "")
-            + (f"  (two-launch split-K {two:.2f})" if two else ""),
+            + (f"  (cuBLAS {cub:.2f})" if cub else ""),
             flush=True,
         )
     buckets = []
@@ -150,13 +180,24 @@ def tune_shape(shape, mode: str, ms) -> tuple[list[dict], dict[int, float]]:
 
 
 #: K structures a batch-invariant config may fix: (k_per_split, block_k); promotion follows the mode.
-BI_K_STRUCTURES = [(512, 128), (1024, 128)]
-BI_TILES = [(16, 16, 4), (64, 32, 4), (64, 64, 4), (128, 64, 8), (128, 128, 8), (64, 128, 4)]
+BI_K_STRUCTURES = [(1024, 128), (2048, 128)]
+#: (block_m, block_n, num_warps, num_stages): unrolled small tiles and software-pipelined large ones
+BI_TILES = [
+    (16, 16, 4, 1),
+    (64, 32, 4, 1),
+    (64, 64, 4, 1),
+    (128, 64, 8, 1),
+    (64, 64, 4, 3),
+    (128, 64, 4, 3),
+    (64, 128, 4, 3),
+    (128, 128, 8, 3),
+]
 
 
-def _bi_config(kps: int, block_k: int, tiles: tuple[int, int, int], mode: str) -> KernelConfig:
-    block_m, block_n, warps = tiles
-    return splitk_config(block_m, block_n, block_k, kps, mode, warps)
+def _bi_config(kps: int, block_k: int, tiles: tuple[int, int, int, int], mode: str) -> KernelConfig:
+    block_m, block_n, warps, stages = tiles
+    cfg = splitk_config(block_m, block_n, block_k, kps, mode, warps)
+    return KernelConfig("splitk", {**cfg.params, "num_stages": stages})
 
 
 def _fastest_non_invariant(shape, mode: str, m: int, xs, ws) -> float:
@@ -181,20 +222,27 @@ def tune_batch_invariant(shape, mode: str) -> list[dict]:
     probe_w = inputs[BI_M[0]][1][0]
     dot_mode = dot_mode_for(probe_x.dtype, probe_w.dtype)
     choices = []
-    for kps, block_k in BI_K_STRUCTURES:
+    structures = {(kps, min(bk, 64) if mode == "fp32" else bk) for kps, bk in BI_K_STRUCTURES}
+    for kps, block_k in sorted(structures):
         ref_cfg = _bi_config(kps, block_k, BI_TILES[0], mode)
         ref = run_config(ref_cfg, probe_x, probe_w, torch.empty(300, shape.n, device="cuda"), dot_mode)
         admitted = []
         for tiles in BI_TILES:
             cfg = _bi_config(kps, block_k, tiles, mode)
-            out = run_config(cfg, probe_x, probe_w, torch.empty(300, shape.n, device="cuda"), dot_mode)
+            try:
+                out = run_config(cfg, probe_x, probe_w, torch.empty(300, shape.n, device="cuda"), dot_mode)
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: not admitted
+                print(f"    skip {cfg.describe()}: {type(e).__name__}: {str(e)[:100]}")
+                continue
             if torch.equal(out, ref):
                 admitted.append(cfg)
             else:
                 print(f"    {cfg.describe()} differs bitwise from {ref_cfg.describe()}: not admitted")
         per_m = {}
         for m in BI_M:
-            timed = sorted(((time_config(c, *inputs[m], mode), c) for c in admitted), key=lambda r: r[0])
+            # Unrolled small tiles up to 256 tokens, pipelined large tiles from 64 tokens on.
+            fits = [c for c in admitted if (c.params["num_stages"] == 1) == (m <= 256) or 64 <= m <= 256]
+            timed = sorted(((time_config(c, *inputs[m], mode), c) for c in fits), key=lambda r: r[0])
             per_m[m] = timed[0]
         worst = max(per_m[m][0] / best[m] for m in BI_M)
         choices.append((worst, kps, block_k, per_m))

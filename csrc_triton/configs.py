@@ -1,8 +1,8 @@
 """Kernel configs: tuned tables (JSON per GPU, written by ``benchmarks/tune.py``) and a heuristic.
 
 A table maps a (K, N) shape and a mode to buckets ``{"max_m": int | null, "kernel": ..., params}``,
-looked up by the first bucket whose ``max_m`` >= M. ``kernel`` is ``splitk``, ``tiled`` or
-``cublas`` (the 16-bit modes: where cuBLAS measured faster on that GPU). Batch-invariant tables
+looked up by the first bucket whose ``max_m`` >= M. ``kernel`` is ``gemv``, ``splitk``,
+``tiled`` or ``cublas`` (the 16-bit modes: where cuBLAS measured faster on that GPU). Batch-invariant tables
 hold exactly one split-K config for every M. Nothing here autotunes at run time.
 """
 
@@ -32,7 +32,7 @@ PARAM_KEYS = (
 
 @dataclass(frozen=True)
 class KernelConfig:
-    kernel: str  # "splitk" | "tiled" | "cublas"
+    kernel: str  # "gemv" | "splitk" | "tiled" | "cublas"
     params: dict[str, Any] = field(default_factory=dict)
     source: str = "heuristic"
 
@@ -86,13 +86,26 @@ def splitk_config(
     )
 
 
+def pipelined_splitk_config(
+    block_m: int, block_n: int, k_per_split: int, mode: str, num_warps: int
+) -> KernelConfig:
+    """A split-K config with large tiles and a software-pipelined K loop (BLOCK_K 64, 3 stages)."""
+    cfg = splitk_config(block_m, block_n, 64, k_per_split, mode, num_warps)
+    return KernelConfig("splitk", {**cfg.params, "num_stages": 3})
+
+
 def heuristic_config(
     m: int, k: int, n: int, mode: str, batch_invariant: bool, sm_count: int, cublas: bool = False
 ) -> KernelConfig:
-    """Default for shapes and GPUs without a tuned table; aims at >= 2 programs per SM at small M.
-    Above 64 tokens the 16-bit modes go to cuBLAS where it exists (on the H200 our tiled kernel
-    never beat it there); the fp32 mode has no cuBLAS equivalent and keeps the tiled kernel."""
+    """Default for shapes and GPUs without a tuned table (the H200 probe's winners, generalised).
+    Up to 4 tokens: the FMA GEMV, one K split. Up to 64: unrolled split-K with >= 2 programs per
+    SM. Above 64 the 16-bit modes go to cuBLAS where it exists (on the H200 our kernels never beat
+    it there); the fp32 mode has no cuBLAS equivalent and takes pipelined split-K / tiled kernels.
+    Batch-invariant: one unrolled split-K config for every M."""
     fp32 = mode == "fp32"
+    if not batch_invariant and m <= 4:
+        block_m = min(2, 1 << (m - 1).bit_length())
+        return KernelConfig("gemv", dict(block_m=block_m, block_n=1, k_per_split=0, num_warps=8 // block_m))
     if cublas and not fp32 and not batch_invariant and m > 64:
         return KernelConfig("cublas")
     if batch_invariant or m <= 64:
@@ -103,17 +116,21 @@ def heuristic_config(
         splits = max(1, min(k // 256, -(-2 * sm_count // n_blocks)))
         k_per_split = max(256, -(-k // splits + 255) // 256 * 256)
         return splitk_config(block_m, block_n, 128, k_per_split, mode)
-    block_m = 64 if m <= 1024 else 128
-    block_k = 64
+    if m <= 512:
+        return pipelined_splitk_config(64, 64, 1024, mode, 4)
+    if m <= 2048:
+        return pipelined_splitk_config(64, 64, 2048, mode, 4)
+    if m <= 8192:
+        return pipelined_splitk_config(128, 128, 3584, mode, 8)
     return KernelConfig(
         "tiled",
         dict(
-            block_m=block_m,
+            block_m=128,
             block_n=128 if n >= 128 else 64,
-            block_k=block_k,
-            promote_chunks=_fp32_promotion(block_k) if fp32 else 0,
+            block_k=64,
+            promote_chunks=_fp32_promotion(64) if fp32 else 0,
             group_m=8,
-            num_warps=8 if block_m == 128 else 4,
+            num_warps=8,
             num_stages=3,
         ),
     )

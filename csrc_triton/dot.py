@@ -50,3 +50,30 @@ def mma(a, b, acc, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr):
         return _dot16(a16, hi, acc, UPCAST)
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+
+@triton.jit
+def promoted_group(
+    x_rows,
+    w_cols,
+    mask_m,
+    mask_n,
+    k0,
+    K,
+    acc,
+    BLOCK_K: tl.constexpr,
+    PROMOTE_CHUNKS: tl.constexpr,
+    DOT_MODE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """``acc + part``, where ``part`` is one fresh MMA chain over PROMOTE_CHUNKS chunks of BLOCK_K
+    starting at ``k0`` (promotion: tensor-core accumulation chains stay that short, and the
+    compiler cannot fold ``part`` into ``acc``). x_rows: [BM, 1] row pointers, w_cols: [1, BN]."""
+    part = tl.zeros(acc.shape, dtype=tl.float32)
+    for j in tl.static_range(PROMOTE_CHUNKS):
+        offs_k = k0 + j * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(w_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        part = mma(a, b, part, DOT_MODE, UPCAST)
+    return acc + part

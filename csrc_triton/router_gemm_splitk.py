@@ -24,7 +24,47 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.dot import interpreting, mma
+from csrc_triton.dot import interpreting, promoted_group
+
+
+@triton.jit
+def finish_split(
+    acc,
+    part_ptr,
+    out_ptr,
+    ticket_ptr,
+    ticket_idx,
+    pid_s,
+    offs_m,
+    offs_n,
+    mask,
+    stride_ps,
+    stride_pm,
+    stride_om,
+    SPLIT_K: tl.constexpr,
+    TICKET: tl.constexpr,
+):
+    """Store split ``pid_s``'s fp32 tile ``acc``; with TICKET the last split of the tile to finish
+    adds all partials in split order 0..S-1 and writes ``out`` (shared by the split-K kernels)."""
+    tile = offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
+    if SPLIT_K == 1:
+        o = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + pid_s * stride_ps + tile, acc, mask=mask)
+        if TICKET:
+            tl.debug_barrier()  # every thread's partial is stored before the ticket is taken
+            ticket = tl.atomic_add(ticket_ptr + ticket_idx, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT_K - 1:
+                total = tl.zeros(acc.shape, dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):  # fixed order: split 0, 1, ..., S-1
+                    # .cg: read from L2, never from a stale L1 line of an earlier call
+                    total += tl.load(
+                        part_ptr + s * stride_ps + tile, mask=mask, other=0.0, cache_modifier=".cg"
+                    )
+                o = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+                tl.store(o, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(ticket_ptr + ticket_idx, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -51,6 +91,7 @@ def _splitk_partials_kernel(
     DOT_MODE: tl.constexpr,
     UPCAST: tl.constexpr,
     TICKET: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -63,40 +104,40 @@ def _splitk_partials_kernel(
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
 
+    # Promotion: each group of PROMOTE_CHUNKS chunks is one short MMA chain added into the fp32
+    # register accumulator. Unrolled (num_stages=1, small M: every load in flight at once) or a
+    # software-pipelined loop (large tiles): the same operations in the same order either way.
+    n_groups: tl.constexpr = K_PER_SPLIT // (BLOCK_K * PROMOTE_CHUNKS)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Promotion: PROMOTE_CHUNKS chunks go through one short MMA chain into `part`, which is then
-    # added into the fp32 register accumulator `acc` (keeps tensor-core accumulation chains short).
-    for c in tl.static_range(0, K_PER_SPLIT // (BLOCK_K * PROMOTE_CHUNKS)):
-        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for j in tl.static_range(PROMOTE_CHUNKS):
-            offs_k = k_begin + (c * PROMOTE_CHUNKS + j) * BLOCK_K + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(w_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            part = mma(a, b, part, DOT_MODE, UPCAST)
-        acc += part
-
-    mask = mask_m[:, None] & mask_n[None, :]
-    tile = offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
-    if SPLIT_K == 1:
-        o = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if UNROLL:
+        for c in tl.static_range(n_groups):
+            k0 = k_begin + c * BLOCK_K * PROMOTE_CHUNKS
+            acc = promoted_group(
+                x_rows, w_cols, mask_m, mask_n, k0, K, acc, BLOCK_K, PROMOTE_CHUNKS, DOT_MODE, UPCAST
+            )
     else:
-        tl.store(part_ptr + pid_s * stride_ps + tile, acc, mask=mask)
-        if TICKET:
-            tl.debug_barrier()  # every thread's partial is stored before the ticket is taken
-            ticket_idx = pid_m * tl.num_programs(0) + pid_n
-            ticket = tl.atomic_add(ticket_ptr + ticket_idx, 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLIT_K - 1:
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in tl.static_range(SPLIT_K):  # fixed order: split 0, 1, ..., S-1
-                    # .cg: read from L2, never from a stale L1 line of an earlier call
-                    total += tl.load(
-                        part_ptr + s * stride_ps + tile, mask=mask, other=0.0, cache_modifier=".cg"
-                    )
-                o = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-                tl.store(o, total.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(ticket_ptr + ticket_idx, 0, sem="relaxed", scope="gpu")
+        for c in range(n_groups):
+            k0 = k_begin + c * BLOCK_K * PROMOTE_CHUNKS
+            acc = promoted_group(
+                x_rows, w_cols, mask_m, mask_n, k0, K, acc, BLOCK_K, PROMOTE_CHUNKS, DOT_MODE, UPCAST
+            )
+
+    finish_split(
+        acc,
+        part_ptr,
+        out_ptr,
+        ticket_ptr,
+        pid_m * tl.num_programs(0) + pid_n,
+        pid_s,
+        offs_m,
+        offs_n,
+        mask_m[:, None] & mask_n[None, :],
+        stride_ps,
+        stride_pm,
+        stride_om,
+        SPLIT_K,
+        TICKET,
+    )
 
 
 @triton.jit
@@ -185,13 +226,21 @@ def splitk_launch(
         DOT_MODE=dot_mode,
         UPCAST=interpreting(),
         TICKET=use_ticket,
+        UNROLL=num_stages == 1,
         num_warps=num_warps,
         num_stages=num_stages,
     )
     if split_k > 1 and not use_ticket:
-        _splitk_reduce_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](
-            part, out, M, N, part.stride(0), out.stride(0), SPLIT_K=split_k, BLOCK=_REDUCE_BLOCK, num_warps=4
-        )
+        reduce_partials(part, out)
+    return out
+
+
+def reduce_partials(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The two-launch form's second kernel: ``out = part[0] + part[1] + ... + part[S-1]``."""
+    split_k, M, N = part.shape
+    _splitk_reduce_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](
+        part, out, M, N, part.stride(0), out.stride(0), SPLIT_K=split_k, BLOCK=_REDUCE_BLOCK, num_warps=4
+    )
     return out
 
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.dot import interpreting, mma
+from csrc_triton.dot import interpreting, mma, promoted_group
 
 
 @triton.jit
@@ -63,14 +63,9 @@ def _tiled_kernel(
             acc = mma(a, b, acc, DOT_MODE, UPCAST)
     else:
         for k0 in range(0, K, BLOCK_K * PROMOTE_CHUNKS):
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in tl.static_range(PROMOTE_CHUNKS):
-                offs_k = k0 + j * BLOCK_K + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < K
-                a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                b = tl.load(w_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-                part = mma(a, b, part, DOT_MODE, UPCAST)
-            acc += part
+            acc = promoted_group(
+                x_rows, w_cols, mask_m, mask_n, k0, K, acc, BLOCK_K, PROMOTE_CHUNKS, DOT_MODE, UPCAST
+            )
 
     o = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])

@@ -24,8 +24,18 @@ TILED = KernelConfig(
 TILED_PROMOTED = KernelConfig(
     "tiled", dict(block_m=16, block_n=32, block_k=32, promote_chunks=2, group_m=2, num_warps=4, num_stages=2)
 )
+SPLITK_PIPELINED = KernelConfig(  # the same arithmetic as SPLITK_PROMOTED, as a pipelined loop
+    "splitk",
+    dict(block_m=32, block_n=16, block_k=32, k_per_split=128, promote_chunks=2, num_warps=4, num_stages=2),
+)
+# Under the interpreter num_warps=1 gives BLOCK_K = 8 * 32 = 256 (bf16): K=300 takes two chunks.
+GEMV = KernelConfig("gemv", dict(block_m=2, block_n=4, k_per_split=0, num_warps=1))
+GEMV_SPLIT = KernelConfig("gemv", dict(block_m=4, block_n=8, k_per_split=256, num_warps=1))
 CONFIGS = {
+    "gemv": GEMV,
+    "gemv-split": GEMV_SPLIT,
     "splitk": SPLITK,
+    "splitk-pipelined": SPLITK_PIPELINED,
     "splitk-promoted": SPLITK_PROMOTED,
     "tiled": TILED,
     "tiled-promoted": TILED_PROMOTED,
@@ -68,6 +78,25 @@ def test_genuinely_fp32_weight_is_exact(gen, name, dot_mode):
     assert relative_error(out, reference_logits(x, w)) <= 1e-6
 
 
+def test_gemv_two_launch_form_equals_single_launch(gen):
+    """``ticket=False`` (partials, then a reduce kernel) adds the same partials in the same order."""
+    x, w = _inputs(gen, 5, 700, 24)
+    one = run_config(GEMV_SPLIT, x, w, _poisoned(5, 24, torch.float32), DOT_NATIVE)
+    two_cfg = KernelConfig("gemv", {**GEMV_SPLIT.params, "ticket": False})
+    two = run_config(two_cfg, x, w, _poisoned(5, 24, torch.float32), DOT_NATIVE)
+    assert torch.equal(one, two)
+    assert relative_error(one, reference_logits(x, w)) <= 1e-6
+
+
+def test_pipelined_split_k_is_bitwise_the_unrolled_one(gen):
+    """Batch-invariant tables may mix unrolled (small M) and pipelined (large M) split-K configs
+    of one K structure: they must compute the same sums in the same order."""
+    x, w = _inputs(gen, 37, 300, 40)
+    unrolled = run_config(SPLITK_PROMOTED, x, w, _poisoned(37, 40, torch.float32), DOT_NATIVE)
+    pipelined = run_config(SPLITK_PIPELINED, x, w, _poisoned(37, 40, torch.float32), DOT_NATIVE)
+    assert torch.equal(unrolled, pipelined)
+
+
 def test_dot_mode_selection():
     assert dot_mode_for(torch.bfloat16, torch.bfloat16) == DOT_NATIVE
     assert dot_mode_for(torch.float16, torch.float16) == DOT_NATIVE
@@ -100,7 +129,7 @@ def test_batch_invariant_needle_through_dispatch(gen, mode):
 
 
 def test_heuristic_configs_are_well_formed():
-    for m in (1, 16, 64, 65, 4096):
+    for m in (1, 4, 5, 16, 64, 65, 4096, 16384):
         for bi in (False, True):
             for mode in ("fp32", "bf16-fp32out"):
                 cfg = heuristic_config(m, 7168, 256, mode, bi, 132)
@@ -108,8 +137,10 @@ def test_heuristic_configs_are_well_formed():
                 if cfg.kernel == "splitk":
                     chunks = p["promote_chunks"] or p["k_per_split"] // p["block_k"]
                     assert p["k_per_split"] % (p["block_k"] * chunks) == 0
-                    assert (256 // p["block_n"]) * (7168 // p["k_per_split"]) >= 132 or bi
-                assert cfg.kernel == ("splitk" if bi or m <= 64 else "tiled")
+                    if m <= 64 and not bi:  # small M: enough programs to fill the GPU
+                        assert (256 // p["block_n"]) * (7168 // p["k_per_split"]) >= 132
+                expected = "splitk" if bi else "gemv" if m <= 4 else "splitk" if m <= 8192 else "tiled"
+                assert cfg.kernel == expected, (m, bi, mode, cfg)
                 with_cublas = heuristic_config(m, 7168, 256, mode, bi, 132, cublas=True)
                 if mode != "fp32" and not bi and m > 64:
                     assert with_cublas.kernel == "cublas"
@@ -145,7 +176,7 @@ def test_tuned_table_lookup(monkeypatch):
     # cuBLAS serves the bf16 mode too (bf16 logits), never the fp32 mode, never off-GPU.
     assert select_config(100, 7168, 256, "bf16", False, "GPU", 132).kernel == "cublas"
     assert select_config(100, 7168, 256, "fp32", False, "GPU", 132).source == "heuristic"
-    assert select_config(100, 7168, 256, "bf16", False, "GPU", 132, cublas=False).kernel == "tiled"
+    assert select_config(100, 7168, 256, "bf16", False, "GPU", 132, cublas=False).kernel == "splitk"
 
 
 def test_startup_description_of_the_cuda_dispatch(monkeypatch):

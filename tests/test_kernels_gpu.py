@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from csrc_triton.configs import KernelConfig
 from vllm_router_ext.benchmarking import SHAPES
 from vllm_router_ext.ops import router_gemm
 from vllm_router_ext.ops.dispatch import config_for, dot_mode_for, run_config
@@ -47,6 +48,31 @@ def test_every_shape_and_m_poisoned_and_accurate(shape, mode):
         if m:
             tol = {"fp32": 1e-6, "bf16-fp32out": 1e-5, "bf16": 8e-3}[mode]
             assert _rel(via_op, x, w) <= tol, (m, cfg.describe())
+
+
+GEMV_CONFIGS = [  # the tuner's GEMV space at its corners, plus split-K forms of it
+    dict(block_m=1, block_n=1, k_per_split=0, num_warps=8),
+    dict(block_m=1, block_n=1, k_per_split=0, num_warps=16),
+    dict(block_m=2, block_n=2, k_per_split=0, num_warps=8),
+    dict(block_m=4, block_n=4, k_per_split=0, num_warps=4),
+    dict(block_m=4, block_n=2, k_per_split=2048, num_warps=4),
+    dict(block_m=2, block_n=4, k_per_split=1024, num_warps=4, ticket=False),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("params", GEMV_CONFIGS, ids=lambda p: "-".join(map(str, p.values())))
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32], ids=["bf16-weight", "fp32-weight"])
+def test_gemv_kernel_poisoned_and_accurate(shape, params, w_dtype):
+    """Every GEMV config shape the tuner may pick, on every shape, with strided activations: all
+    of ``out`` written, fp32-upcast accuracy (it is an fp32 FMA kernel)."""
+    cfg = KernelConfig("gemv", params)
+    for m in (1, 2, 3, 5, 16, 17):
+        x, w = _xw(m, shape, w_dtype=w_dtype, row_stride=shape.k + 64)
+        out = torch.full((m, shape.n), float("nan"), device="cuda")
+        run_config(cfg, x, w, out, dot_mode_for(x.dtype, w.dtype))
+        assert not out.isnan().any(), (m, cfg.describe())
+        assert _rel(out, x, w) <= 1e-6, (m, cfg.describe())
 
 
 @pytest.mark.parametrize("m", [0, 1, 7, 16, 300, 4096, 16384])

@@ -49,12 +49,15 @@ def _cublas(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> to
 
 def run_config(cfg, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, dot_mode: int) -> torch.Tensor:
     """Launch one config into ``out`` (used by the dispatch, the tuner and the tests)."""
+    from csrc_triton.router_gemm_gemv import gemv_launch
     from csrc_triton.router_gemm_splitk import splitk_launch
     from csrc_triton.router_gemm_tiled import tiled_launch
 
     if cfg.kernel == "cublas":
         return _cublas(x, weight, out.dtype)
     params = dict(cfg.params)
+    if cfg.kernel == "gemv":  # fp32 FMA: exact for every mode and weight dtype, no dot mode
+        return gemv_launch(x, weight, out, **params)
     if cfg.kernel == "splitk":
         if not params.get("promote_chunks"):
             params["promote_chunks"] = params["k_per_split"] // params["block_k"]
@@ -68,7 +71,7 @@ def run_config(cfg, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, do
             params.update(block_m=min(params["block_m"], 64), block_n=min(params["block_n"], 64), block_k=32)
             params["num_stages"] = 2
         return tiled_launch(x, weight, out, dot_mode=dot_mode, **params)
-    raise ValueError(f"unknown kernel {cfg.kernel!r}; allowed: splitk, tiled, cublas")
+    raise ValueError(f"unknown kernel {cfg.kernel!r}; allowed: gemv, splitk, tiled, cublas")
 
 
 def router_gemm_cuda(
