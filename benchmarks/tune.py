@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from csrc_triton.configs import CONFIG_DIR, KernelConfig, device_key, splitk_config  # noqa: E402
+from csrc_triton.configs import CONFIG_DIR, PARAM_KEYS, KernelConfig, device_key, splitk_config  # noqa: E402
 from vllm_router_ext.benchmarking import M_LIST, SHAPES, make_inputs, rotation_copies, time_graph  # noqa: E402
 from vllm_router_ext.ops.dispatch import dot_mode_for, run_config  # noqa: E402
 
@@ -260,6 +260,101 @@ def tune_batch_invariant(shape, mode: str) -> list[dict]:
     return buckets
 
 
+#: --targeted: the winners of the full search on DeepSeek-V3 (tune-h200-976dd63.log) and of the
+#: design probe (results/probe-h200-gemv.log), timed per shape against the table's current config.
+TARGETED_GEMV = {  # M -> (block_m, block_n, num_warps)
+    1: [(1, 1, 8), (1, 1, 16), (1, 2, 4)],
+    2: [(2, 1, 16), (2, 1, 8), (1, 2, 4)],
+    4: [(2, 1, 8), (2, 1, 4), (1, 2, 4)],
+    8: [(1, 4, 4), (2, 2, 4), (4, 2, 4)],
+    16: [(4, 4, 4), (4, 2, 4), (2, 4, 4)],
+}
+TARGETED_FP32_MID = [(64, 64, 1024, 4), (64, 64, 2048, 4), (128, 128, 3584, 8)]
+
+
+def targeted_candidates(m: int, mode: str) -> list[KernelConfig]:
+    cands = [
+        KernelConfig("gemv", dict(block_m=bm, block_n=bn, k_per_split=0, num_warps=w))
+        for bm, bn, w in TARGETED_GEMV.get(m, [])
+    ]
+    if mode == "fp32" and 128 <= m <= 8192:
+        cands += [
+            KernelConfig("splitk", {**splitk_config(bm, bn, 64, kps, mode, w).params, "num_stages": 3})
+            for bm, bn, kps, w in TARGETED_FP32_MID
+        ]
+    return cands
+
+
+def bucket_config(buckets: list[dict], m: int) -> KernelConfig | None:
+    """The config a bucket list gives for M (the dispatch's lookup rule)."""
+    for b in buckets:
+        if b["max_m"] is None or m <= b["max_m"]:
+            return KernelConfig(b["kernel"], {k: v for k, v in b.items() if k in PARAM_KEYS})
+    return None
+
+
+def merge_buckets(old: list[dict], new: dict[int, tuple[float, KernelConfig]], ms) -> list[dict]:
+    """Re-collapse buckets over ``ms``: tuned points from ``new``, every other M keeps ``old``'s config."""
+    points = []
+    for m in ms:
+        if m in new:
+            t, cfg = new[m]
+            points.append({"max_m": m, "kernel": cfg.kernel, **cfg.params, "us": round(t, 3)})
+        else:
+            cfg = bucket_config(old, m)
+            if cfg is None:
+                raise SystemExit("--targeted needs --merge with a table that has this shape and mode")
+            prior = next((b for b in old if b["max_m"] is None or m <= b["max_m"]), {})
+            points.append(
+                {
+                    "max_m": m,
+                    "kernel": cfg.kernel,
+                    **cfg.params,
+                    **({"us": prior["us"]} if "us" in prior else {}),
+                }
+            )
+    buckets: list[dict] = []
+    for entry in points:
+        same = buckets and {k: v for k, v in buckets[-1].items() if k not in ("max_m", "us")} == {
+            k: v for k, v in entry.items() if k not in ("max_m", "us")
+        }
+        if same:
+            buckets[-1]["max_m"] = entry["max_m"]
+        else:
+            buckets.append(entry)
+    buckets[-1]["max_m"] = None
+    return buckets
+
+
+def tune_targeted(shape, mode: str, old: list[dict], ms) -> list[dict]:
+    """Time the targeted candidates and the table's current config at each M; keep the fastest."""
+    new = {}
+    for m in ms:
+        cands = targeted_candidates(m, mode)
+        if not cands:
+            continue
+        current = bucket_config(old, m)
+        if current is not None and current.kernel != "cublas":
+            cands.append(current)
+        xs, ws = make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m)
+        if mode == "bf16-fp32out":
+            cands.append(KernelConfig("cublas"))
+        timed = [
+            (time_config(c, xs, ws, mode), c)
+            for c in cands
+            if c.kernel == "cublas" or _check(c, xs[0], ws[0], mode)
+        ]
+        results = sorted(timed, key=lambda r: r[0])
+        new[m] = results[0]
+        cur_t = next((t for t, c in results if current is not None and c == current), None)
+        print(
+            f"  {shape.name} {mode} M={m}: best {results[0][0]:.2f} µs {results[0][1].describe()}"
+            + (f"  (table's current {cur_t:.2f})" if cur_t else ""),
+            flush=True,
+        )
+    return merge_buckets(old, new, M_LIST)
+
+
 def _reload_table(path: Path) -> None:
     """Make the dispatch see the table being written (the BI tuning compares against it)."""
     import csrc_triton.configs as configs
@@ -277,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--m", default=",".join(map(str, M_LIST)))
     p.add_argument("--merge", default=None, help="start from this table; only the listed shapes are retuned")
     p.add_argument("--bi-only", action="store_true", help="retune only the batch-invariant buckets")
+    p.add_argument(
+        "--targeted",
+        action="store_true",
+        help="with --merge: time only the targeted candidates at --m and merge them into the table",
+    )
     args = p.parse_args(argv)
     name = torch.cuda.get_device_name()
     out = Path(args.out) if args.out else CONFIG_DIR / f"{device_key(name)}.json"
@@ -295,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         entry = table["shapes"].setdefault(f"{shape.k}x{shape.n}", {"model": shape.name})
         for mode in ("bf16-fp32out", "fp32"):
+            if args.targeted:
+                entry[mode] = tune_targeted(shape, mode, entry.get(mode, []), ms)
+                out.write_text(json.dumps(table, indent=1))
+                continue
             if not args.bi_only:
                 entry[mode] = tune_shape(shape, mode, ms)[0]
                 out.write_text(json.dumps(table, indent=1))

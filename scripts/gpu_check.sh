@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: any of the steps below, in order. Runs without vLLM; outputs under $OUT.
-#   bash scripts/gpu_check.sh [tests] [ncu] [tune] [tune-rest] [bench]
+#   bash scripts/gpu_check.sh [tests] [tests-gpu] [ncu] [tune] [tune-rest] [tune-targeted] [bench]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -12,6 +12,8 @@ for step in "$@"; do
   case $step in
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels.py \
              tests/test_router_gemm_op.py tests/test_selfcheck.py 2>&1 | tee "$OUT/pytest.log" | grep -vE "^DEBUG|^\s*$" | tail -25 ;;
+    tests-gpu) timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 \
+             | tee "$OUT/pytest.log" | grep -vE "^DEBUG|^\s*$" | tail -25 ;;
     ncu) timeout 120 ncu --clock-control none --profile-from-start off --csv \
            --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
            python3 benchmarks/ncu_probe.py > "$OUT/ncu.csv" 2>&1; grep -E "gpu__time_duration|dram__bytes" "$OUT/ncu.csv" | cut -c1-220 | tail -24 ;;
@@ -24,7 +26,11 @@ for step in "$@"; do
           timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune.py --merge "$OUT/nvidia_h200.json" --out "$OUT/nvidia_h200.json" \
              --shapes DeepSeek-V3,Kimi-K2,DeepSeek-V2 --bi-only 2>&1 | tee -a "$OUT/tune.log" | grep -E "batch-invariant|differs|done|Error|error"
           cp "$OUT/nvidia_h200.json" "$TABLE" ;;
-    bench) python3 -m vllm_router_ext.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -vE "^\s+[A-Za-z0-9-]+ M=" | tail -150 ;;
-    *) echo "unknown step $step (tests, ncu, tune, tune-rest, bench)"; exit 2 ;;
+    tune-targeted) # the probe's and the full search's winners at small M (all modes) and mid M (fp32)
+          timeout "${TUNE_TIMEOUT:-220}" python3 benchmarks/tune.py --merge "$TABLE" --out "$OUT/nvidia_h200.json" --targeted \
+             --m 1,2,4,8,16,128,256,512,1024,2048,4096,8192 2>&1 | tee "$OUT/tune.log" | grep -E "M=(1|16|1024):|done|Error|error"
+          cp "$OUT/nvidia_h200.json" "$TABLE" ;;
+    bench) timeout "${BENCH_TIMEOUT:-600}" python3 -m vllm_router_ext.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -vE "^\s+[A-Za-z0-9-]+ M=" | tail -150 ;;
+    *) echo "unknown step $step (tests, tests-gpu, ncu, tune, tune-rest, tune-targeted, bench)"; exit 2 ;;
   esac
 done
