@@ -61,6 +61,13 @@ def run_config(cfg, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, do
     if cfg.kernel == "splitk":
         if not params.get("promote_chunks"):
             params["promote_chunks"] = params["k_per_split"] // params["block_k"]
+        if weight.dtype == torch.float32 and params.get("num_stages", 1) > 1:
+            # fp32 weight tiles (and their three bf16 terms) overflow shared memory in 128-wide
+            # pipelined tiles: cap them at 64x64, two stages. BLOCK_K and promotion stay, so the
+            # sums (and batch invariance across unrolled and pipelined configs) do not change.
+            params.update(
+                block_m=min(params["block_m"], 64), block_n=min(params["block_n"], 64), num_stages=2
+            )
         return splitk_launch(x, weight, out, dot_mode=dot_mode, **params)
     if cfg.kernel == "tiled":
         if weight.dtype == torch.float32:
