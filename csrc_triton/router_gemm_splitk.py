@@ -1,4 +1,4 @@
-"""Split-K router GEMM for small M (decode) and for batch-invariant routing.
+"""Split-K router GEMM: decode sizes, the fp32 mode at mid M, and batch-invariant routing.
 
 Invariant: every output element is reduced over K in one order fixed by (K_PER_SPLIT, BLOCK_K,
 PROMOTE_CHUNKS) alone: split s covers K[s*K_PER_SPLIT, (s+1)*K_PER_SPLIT) in BLOCK_K chunks, each
@@ -8,7 +8,9 @@ depend on the batch it is in (the batch-invariant path relies on exactly that).
 
 Why split-K: at decode sizes the GEMM is bound by reading the [N, K] weight once. Splitting N *and*
 K gives enough programs to fill every SM, and each program loads its whole weight slice in
-unrolled chunks, so many bytes are in flight per SM.
+unrolled chunks, so many bytes are in flight per SM. With large tiles (num_stages > 1) the K loop
+of a split is software-pipelined instead; it issues the same MMAs and additions in the same order,
+so both forms give bitwise the same result for the same K structure.
 
 Why one launch: on the H200 each dependent kernel in a CUDA graph costs ~2.5 µs of launch and
 drain, more than reading the weight (~0.9 µs). So by default (TICKET) the program that finishes a

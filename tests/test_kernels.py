@@ -187,6 +187,9 @@ def test_startup_description_of_the_cuda_dispatch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     text = d.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.bfloat16, 7168, 256)
     assert "promoted fp32 accumulation" in text and "tuned table" in text and "16-bit MMA" in text
+    assert text.startswith("by M at run time: triton GEMV (fp32 FMA) M<=16, triton split-K M<=")
+    text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, False, torch.bfloat16, 7168, 256)
+    assert text.endswith("cuBLAS above (16-bit MMA; tuned table)"), text
     text = d.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.float32, 7168, 256)
     assert "fp32 weight split into 3 bf16 MMAs" in text
     text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, True, torch.bfloat16, 7168, 256)

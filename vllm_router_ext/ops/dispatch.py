@@ -101,7 +101,7 @@ def router_gemm_cuda(
 def describe_cuda_dispatch(
     precision: RouterPrecision, batch_invariant: bool, weight_dtype: torch.dtype, k: int, n: int
 ) -> str:
-    """One line for the start-up log: which kernels run on this GPU for a [n, k] gate."""
+    """One line for the start-up log: which kernels run on this GPU for a [n, k] gate, by M."""
     from csrc_triton.configs import load_table, select_config
 
     name, sms = _device_info(torch.cuda.current_device())
@@ -112,9 +112,20 @@ def describe_cuda_dispatch(
         cfg = select_config(1, k, n, precision.value, True, name, sms)
         kps = cfg.params.get("k_per_split")
         return f"batch-invariant triton split-K, K split {kps} fixed for every M ({dot}; {cfg.source})"
+    label = {"gemv": "triton GEMV (fp32 FMA)", "splitk": "triton split-K", "tiled": "triton tiled"}
+    ranges: list[list] = []  # [kernel, first M, last M]
+    for m in (1 << i for i in range(15)):
+        kernel = select_config(m, k, n, precision.value, False, name, sms).kernel
+        if ranges and ranges[-1][0] == kernel:
+            ranges[-1][2] = m
+        else:
+            ranges.append([kernel, m, m])
+    parts = [
+        f"{label.get(kernel, 'cuBLAS')} M<={last}"
+        if i < len(ranges) - 1
+        else f"{label.get(kernel, 'cuBLAS')} above"
+        for i, (kernel, _, last) in enumerate(ranges)
+    ]
     tuned = "tuned table" if load_table(name).get("shapes", {}).get(f"{k}x{n}") else "heuristic configs"
     promo = ", promoted fp32 accumulation" if precision is RouterPrecision.FP32 else ""
-    return (
-        "triton split-K (small M) / tiled (large M) / cuBLAS where faster, by M at run time "
-        f"({dot}{promo}; {tuned})"
-    )
+    return f"by M at run time: {', '.join(parts)} ({dot}{promo}; {tuned})"
