@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.router_gemm_splitk import _tickets, finish_split, reduce_partials
+from csrc_triton.router_gemm_splitk import finish_split, reduce_partials, split_workspace
 
 
 @triton.jit
@@ -109,9 +109,7 @@ def gemv_launch(
     k_per_split = triton.cdiv(k_per_split if 0 < k_per_split < K else K, block_k) * block_k
     split_k = triton.cdiv(K, k_per_split)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split_k)
-    part = out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
-    use_ticket = ticket and split_k > 1
-    tickets = _tickets(x.device, grid[0] * grid[1]) if use_ticket else part
+    part, tickets, use_ticket = split_workspace(out, split_k, grid[0] * grid[1], ticket)
     _gemv_kernel[grid](
         x,
         w,

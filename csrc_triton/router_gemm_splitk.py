@@ -179,6 +179,18 @@ def _tickets(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
+def split_workspace(
+    out: torch.Tensor, split_k: int, tiles: int, ticket: bool
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(fp32 partials [S, M, N] -- or ``out`` itself for one split --, tickets, use_ticket) for a
+    launch whose ``tiles`` output tiles are each reduced over ``split_k`` splits."""
+    part = out
+    if split_k > 1:
+        part = torch.empty((split_k, *out.shape), dtype=torch.float32, device=out.device)
+    use_ticket = ticket and split_k > 1
+    return part, (_tickets(out.device, tiles) if use_ticket else part), use_ticket
+
+
 def splitk_launch(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -202,9 +214,7 @@ def splitk_launch(
     assert k_per_split % (block_k * promote_chunks) == 0, "K_PER_SPLIT must hold whole promotions"
     split_k = triton.cdiv(K, k_per_split)
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))
-    part = out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
-    use_ticket = ticket and split_k > 1
-    tickets = _tickets(x.device, grid[0] * grid[2]) if use_ticket else part
+    part, tickets, use_ticket = split_workspace(out, split_k, grid[0] * grid[2], ticket)
     _splitk_partials_kernel[grid](
         x,
         w,
