@@ -22,7 +22,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from csrc_triton.configs import CONFIG_DIR, PARAM_KEYS, KernelConfig, device_key, splitk_config  # noqa: E402
+from csrc_triton.configs import (  # noqa: E402
+    CONFIG_DIR,
+    PARAM_KEYS,
+    KernelConfig,
+    bucket_for,
+    device_key,
+    splitk_config,
+)
 from vllm_router_ext.benchmarking import M_LIST, SHAPES, make_inputs, rotation_copies, time_graph  # noqa: E402
 from vllm_router_ext.ops.dispatch import dot_mode_for, run_config  # noqa: E402
 
@@ -165,18 +172,7 @@ def tune_shape(shape, mode: str, ms) -> tuple[list[dict], dict[int, float]]:
             + (f"  (cuBLAS {cub:.2f})" if cub else ""),
             flush=True,
         )
-    buckets = []
-    for m in ms:
-        t, cfg = best_by_m[m]
-        entry = {"max_m": m, "kernel": cfg.kernel, **cfg.params, "us": round(t, 3)}
-        if buckets and {k: v for k, v in buckets[-1].items() if k not in ("max_m", "us")} == {
-            k: v for k, v in entry.items() if k not in ("max_m", "us")
-        }:
-            buckets[-1]["max_m"] = m
-            continue
-        buckets.append(entry)
-    buckets[-1]["max_m"] = None
-    return buckets, {m: best_by_m[m][0] for m in ms}
+    return merge_buckets([], best_by_m, ms), {m: best_by_m[m][0] for m in ms}
 
 
 #: K structures a batch-invariant config may fix: (k_per_split, block_k); promotion follows the mode.
@@ -287,32 +283,27 @@ def targeted_candidates(m: int, mode: str) -> list[KernelConfig]:
 
 def bucket_config(buckets: list[dict], m: int) -> KernelConfig | None:
     """The config a bucket list gives for M (the dispatch's lookup rule)."""
-    for b in buckets:
-        if b["max_m"] is None or m <= b["max_m"]:
-            return KernelConfig(b["kernel"], {k: v for k, v in b.items() if k in PARAM_KEYS})
-    return None
+    bucket = bucket_for(buckets, m)
+    return (
+        None
+        if bucket is None
+        else KernelConfig(bucket["kernel"], {k: v for k, v in bucket.items() if k in PARAM_KEYS})
+    )
 
 
 def merge_buckets(old: list[dict], new: dict[int, tuple[float, KernelConfig]], ms) -> list[dict]:
-    """Re-collapse buckets over ``ms``: tuned points from ``new``, every other M keeps ``old``'s config."""
+    """Collapse per-M points over ``ms`` into buckets: tuned points from ``new``, every other M
+    keeps ``old``'s bucket (its launch parameters and its timing note)."""
     points = []
     for m in ms:
         if m in new:
             t, cfg = new[m]
             points.append({"max_m": m, "kernel": cfg.kernel, **cfg.params, "us": round(t, 3)})
         else:
-            cfg = bucket_config(old, m)
-            if cfg is None:
+            prior = bucket_for(old, m)
+            if prior is None:
                 raise SystemExit("--targeted needs --merge with a table that has this shape and mode")
-            prior = next((b for b in old if b["max_m"] is None or m <= b["max_m"]), {})
-            points.append(
-                {
-                    "max_m": m,
-                    "kernel": cfg.kernel,
-                    **cfg.params,
-                    **({"us": prior["us"]} if "us" in prior else {}),
-                }
-            )
+            points.append({**prior, "max_m": m})
     buckets: list[dict] = []
     for entry in points:
         same = buckets and {k: v for k, v in buckets[-1].items() if k not in ("max_m", "us")} == {

@@ -136,6 +136,11 @@ def heuristic_config(
     )
 
 
+def bucket_for(buckets: list[dict[str, Any]], m: int) -> dict[str, Any] | None:
+    """The bucket that serves M: the first whose ``max_m`` >= M (``None`` = unbounded)."""
+    return next((b for b in buckets if b["max_m"] is None or m <= b["max_m"]), None)
+
+
 def select_config(
     m: int,
     k: int,
@@ -149,10 +154,9 @@ def select_config(
     table_mode = "fp32" if mode == "fp32" else "bf16-fp32out"
     entry = load_table(device_name).get("shapes", {}).get(f"{k}x{n}", {})
     key = f"{table_mode}/batch_invariant" if batch_invariant else table_mode
-    for bucket in entry.get(key, []):
-        if bucket["max_m"] is None or m <= bucket["max_m"]:
-            params = {p: v for p, v in bucket.items() if p in PARAM_KEYS}
-            if bucket["kernel"] == "cublas" and (mode == "fp32" or not cublas):
-                break  # cuBLAS has no fp32-accurate equivalent: use the heuristic
-            return KernelConfig(bucket["kernel"], params, source=f"tuned {device_key(device_name)}")
+    bucket = bucket_for(entry.get(key, []), m)
+    # cuBLAS has no fp32-accurate equivalent (and none off-GPU): the heuristic serves those.
+    if bucket is not None and not (bucket["kernel"] == "cublas" and (mode == "fp32" or not cublas)):
+        params = {p: v for p, v in bucket.items() if p in PARAM_KEYS}
+        return KernelConfig(bucket["kernel"], params, source=f"tuned {device_key(device_name)}")
     return heuristic_config(m, k, n, mode, batch_invariant, sm_count, cublas=cublas)
