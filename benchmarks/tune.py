@@ -5,8 +5,9 @@
 For every shape, mode (bf16-fp32out, fp32) and M of the benchmark's list, times a pruned set of
 split-K and tiled candidates (and cuBLAS for bf16-fp32out) with the benchmark's method (CUDA
 graph of R calls over rotated weights, do_bench median) and keeps the fastest; buckets are
-looked up by the first ``max_m`` >= M. Batch-invariant: one split-K config per shape and mode,
-the one whose worst slowdown against the best non-invariant time over a spread of M is smallest.
+looked up by the first ``max_m`` >= M. Batch-invariant: one K structure per shape and mode (the
+one whose worst slowdown against the best non-invariant time over a spread of M is smallest), and
+per M the fastest tiles among configs bitwise equal to that structure's reference.
 Each candidate is checked against an fp64 reference before it is timed.
 """
 
@@ -176,24 +177,40 @@ def tune_shape(shape, mode: str, ms) -> tuple[list[dict], dict[int, float]]:
 
 
 #: K structures a batch-invariant config may fix: (k_per_split, block_k); promotion follows the mode.
-BI_K_STRUCTURES = [(1024, 128), (2048, 128)]
-#: (block_m, block_n, num_warps, num_stages): unrolled small tiles and software-pipelined large ones
+BI_K_STRUCTURES = [(512, 128), (1024, 128)]
+#: (block_m, block_n, num_warps, num_stages, splits_in_program): unrolled small tiles (ticket),
+#: software-pipelined large tiles (ticket), and large tiles that sum their splits in one program.
 BI_TILES = [
-    (16, 16, 4, 1),
-    (64, 32, 4, 1),
-    (64, 64, 4, 1),
-    (128, 64, 8, 1),
-    (64, 64, 4, 3),
-    (128, 64, 4, 3),
-    (64, 128, 4, 3),
-    (128, 128, 8, 3),
+    (16, 16, 4, 1, False),
+    (64, 32, 4, 1, False),
+    (64, 64, 4, 1, False),
+    (128, 64, 8, 1, False),
+    (64, 64, 4, 3, False),
+    (128, 64, 4, 3, False),
+    (64, 128, 4, 3, False),
+    (128, 128, 8, 3, False),
+    (64, 128, 4, 3, True),
+    (128, 64, 4, 3, True),
+    (128, 128, 8, 3, True),
+    (64, 256, 8, 3, True),
 ]
+BI_M = (1, 16, 64, 256, 1024, 4096, 16384)
 
 
-def _bi_config(kps: int, block_k: int, tiles: tuple[int, int, int, int], mode: str) -> KernelConfig:
-    block_m, block_n, warps, stages = tiles
+def _bi_fits(cfg: KernelConfig, m: int) -> bool:
+    """Which tiles are worth timing at M: unrolled up to 256 tokens, pipelined with a ticket from
+    64 to 4096, one program per tile (no partials in memory) from 256 on."""
+    p = cfg.params
+    if p.get("splits_in_program"):
+        return m >= 256
+    return m <= 256 if p["num_stages"] == 1 else 64 <= m <= 4096
+
+
+def _bi_config(kps: int, block_k: int, tiles: tuple, mode: str) -> KernelConfig:
+    block_m, block_n, warps, stages, in_program = tiles
     cfg = splitk_config(block_m, block_n, block_k, kps, mode, warps)
-    return KernelConfig("splitk", {**cfg.params, "num_stages": stages})
+    extra = {"splits_in_program": True} if in_program else {}
+    return KernelConfig("splitk", {**cfg.params, "num_stages": stages, **extra})
 
 
 def _fastest_non_invariant(shape, mode: str, m: int, xs, ws) -> float:
@@ -236,8 +253,7 @@ def tune_batch_invariant(shape, mode: str) -> list[dict]:
                 print(f"    {cfg.describe()} differs bitwise from {ref_cfg.describe()}: not admitted")
         per_m = {}
         for m in BI_M:
-            # Unrolled small tiles up to 256 tokens, pipelined large tiles from 64 tokens on.
-            fits = [c for c in admitted if (c.params["num_stages"] == 1) == (m <= 256) or 64 <= m <= 256]
+            fits = [c for c in admitted if _bi_fits(c, m)]
             timed = sorted(((time_config(c, *inputs[m], mode), c) for c in fits), key=lambda r: r[0])
             per_m[m] = timed[0]
         worst = max(per_m[m][0] / best[m] for m in BI_M)

@@ -3,7 +3,10 @@
 A table maps a (K, N) shape and a mode to buckets ``{"max_m": int | null, "kernel": ..., params}``,
 looked up by the first bucket whose ``max_m`` >= M. ``kernel`` is ``gemv``, ``splitk``,
 ``tiled`` or ``cublas`` (the 16-bit modes: where cuBLAS measured faster on that GPU). Batch-invariant tables
-hold exactly one split-K config for every M. Nothing here autotunes at run time.
+hold split-K configs that share one K structure (K_PER_SPLIT, BLOCK_K, promotion) for every M; only
+tiles, pipelining and where the partials are added (ticket or ``splits_in_program``) vary with M,
+and the tuner admits only configs bitwise equal to the structure's reference. Nothing here
+autotunes at run time.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ PARAM_KEYS = (
     "group_m",
     "num_warps",
     "num_stages",
+    "splits_in_program",
 )
 
 
@@ -41,6 +45,8 @@ class KernelConfig:
             return "cuBLAS"
         keys = ("block_m", "block_n", "block_k", "k_per_split", "promote_chunks", "num_warps", "num_stages")
         inner = ",".join(f"{k}={self.params[k]}" for k in keys if k in self.params)
+        if self.params.get("splits_in_program"):
+            inner += ",splits_in_program"
         return f"triton {self.kernel}({inner})"
 
     def __hash__(self) -> int:
@@ -94,6 +100,10 @@ def pipelined_splitk_config(
     return KernelConfig("splitk", {**cfg.params, "num_stages": 3})
 
 
+#: Batch-invariant heuristic: above this M, a tile's splits run in one program (same sums).
+BI_SPLITS_IN_PROGRAM_FROM = 256
+
+
 def heuristic_config(
     m: int, k: int, n: int, mode: str, batch_invariant: bool, sm_count: int, cublas: bool = False
 ) -> KernelConfig:
@@ -101,7 +111,9 @@ def heuristic_config(
     Up to 4 tokens: the FMA GEMV, one K split. Up to 64: unrolled split-K with >= 2 programs per
     SM. Above 64 the 16-bit modes go to cuBLAS where it exists (on the H200 our kernels never beat
     it there); the fp32 mode has no cuBLAS equivalent and takes pipelined split-K / tiled kernels.
-    Batch-invariant: one unrolled split-K config for every M."""
+    Batch-invariant: one K structure and one tile for every M; above 256 tokens the same splits
+    run inside one program per tile (``splits_in_program``: bitwise the same sums, no partials in
+    memory), software-pipelined."""
     fp32 = mode == "fp32"
     if not batch_invariant and m <= 4:
         block_m = min(2, 1 << (m - 1).bit_length())
@@ -115,7 +127,10 @@ def heuristic_config(
         n_blocks = -(-n // block_n)
         splits = max(1, min(k // 256, -(-2 * sm_count // n_blocks)))
         k_per_split = max(256, -(-k // splits + 255) // 256 * 256)
-        return splitk_config(block_m, block_n, 128, k_per_split, mode)
+        cfg = splitk_config(block_m, block_n, 128, k_per_split, mode)
+        if batch_invariant and m > BI_SPLITS_IN_PROGRAM_FROM:
+            return KernelConfig("splitk", {**cfg.params, "num_stages": 3, "splits_in_program": True})
+        return cfg
     if m <= 512:
         return pipelined_splitk_config(64, 64, 1024, mode, 4)
     if m <= 2048:

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.dot import interpreting, promoted_group
+from csrc_triton.dot import interpreting, mma, promoted_group
 
 
 @triton.jit
@@ -70,6 +70,60 @@ def finish_split(
 
 
 @triton.jit
+def _all_splits_in_program(
+    x_rows,
+    w_cols,
+    out_ptr,
+    offs_m,
+    offs_n,
+    mask_m,
+    mask_n,
+    K,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PROMOTE_CHUNKS: tl.constexpr,
+    DOT_MODE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One program runs every split of its tile, in split order, and keeps the partials in
+    registers: the same MMA chains, the same promotions (``acc + part``) and the same additions
+    ``total + partial_s`` as the split programs plus :func:`finish_split`, so bitwise the same
+    logits, without S fp32 partials per logit going through L2 (what large M pays for).
+    One flat, software-pipelined loop over all chunks; the chains restart at the boundaries."""
+    CHUNKS: tl.constexpr = K_PER_SPLIT // BLOCK_K
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros_like(total)
+    part = tl.zeros_like(total)
+    for c in range(SPLIT_K * CHUNKS):
+        # Split s = c // CHUNKS covers [s * K_PER_SPLIT, ...): chunk c starts at c * BLOCK_K.
+        offs_k = c * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(w_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        part = mma(a, b, part, DOT_MODE, UPCAST)
+        if PROMOTE_CHUNKS == CHUNKS:
+            # One chain per split: the split's partial is 0 + part; neither it nor ``total``
+            # (which starts at +0) can be -0, so adding ``part`` directly is bitwise the same
+            # and saves a third accumulator tile.
+            if (c + 1) % CHUNKS == 0:
+                total += part
+                part = tl.zeros_like(total)
+        else:
+            if (c + 1) % PROMOTE_CHUNKS == 0:
+                acc = acc + part
+                part = tl.zeros_like(total)
+            if (c + 1) % CHUNKS == 0:
+                total += acc
+                acc = tl.zeros_like(total)
+    o = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(o, total.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
 def _splitk_partials_kernel(
     x_ptr,
     w_ptr,
@@ -94,6 +148,7 @@ def _splitk_partials_kernel(
     UPCAST: tl.constexpr,
     TICKET: tl.constexpr,
     UNROLL: tl.constexpr,
+    SPLITS_IN_PROGRAM: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -106,40 +161,46 @@ def _splitk_partials_kernel(
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
 
-    # Promotion: each group of PROMOTE_CHUNKS chunks is one short MMA chain added into the fp32
-    # register accumulator. Unrolled (num_stages=1, small M: every load in flight at once) or a
-    # software-pipelined loop (large tiles): the same operations in the same order either way.
-    n_groups: tl.constexpr = K_PER_SPLIT // (BLOCK_K * PROMOTE_CHUNKS)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if UNROLL:
-        for c in tl.static_range(n_groups):
-            k0 = k_begin + c * BLOCK_K * PROMOTE_CHUNKS
-            acc = promoted_group(
-                x_rows, w_cols, mask_m, mask_n, k0, K, acc, BLOCK_K, PROMOTE_CHUNKS, DOT_MODE, UPCAST
-            )
+    if SPLITS_IN_PROGRAM:
+        _all_splits_in_program(
+            x_rows, w_cols, out_ptr, offs_m, offs_n, mask_m, mask_n, K, stride_om,
+            BLOCK_M, BLOCK_N, BLOCK_K, K_PER_SPLIT, SPLIT_K, PROMOTE_CHUNKS, DOT_MODE, UPCAST,
+        )  # fmt: skip
     else:
-        for c in range(n_groups):
-            k0 = k_begin + c * BLOCK_K * PROMOTE_CHUNKS
-            acc = promoted_group(
-                x_rows, w_cols, mask_m, mask_n, k0, K, acc, BLOCK_K, PROMOTE_CHUNKS, DOT_MODE, UPCAST
-            )
+        # Promotion: each group of PROMOTE_CHUNKS chunks is one short MMA chain added into the fp32
+        # register accumulator. Unrolled (num_stages=1, small M: every load in flight at once) or a
+        # software-pipelined loop (large tiles): the same operations in the same order either way.
+        n_groups: tl.constexpr = K_PER_SPLIT // (BLOCK_K * PROMOTE_CHUNKS)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if UNROLL:
+            for c in tl.static_range(n_groups):
+                k0 = k_begin + c * BLOCK_K * PROMOTE_CHUNKS
+                acc = promoted_group(
+                    x_rows, w_cols, mask_m, mask_n, k0, K, acc, BLOCK_K, PROMOTE_CHUNKS, DOT_MODE, UPCAST
+                )
+        else:
+            for c in range(n_groups):
+                k0 = k_begin + c * BLOCK_K * PROMOTE_CHUNKS
+                acc = promoted_group(
+                    x_rows, w_cols, mask_m, mask_n, k0, K, acc, BLOCK_K, PROMOTE_CHUNKS, DOT_MODE, UPCAST
+                )
 
-    finish_split(
-        acc,
-        part_ptr,
-        out_ptr,
-        ticket_ptr,
-        pid_m * tl.num_programs(0) + pid_n,
-        pid_s,
-        offs_m,
-        offs_n,
-        mask_m[:, None] & mask_n[None, :],
-        stride_ps,
-        stride_pm,
-        stride_om,
-        SPLIT_K,
-        TICKET,
-    )
+        finish_split(
+            acc,
+            part_ptr,
+            out_ptr,
+            ticket_ptr,
+            pid_m * tl.num_programs(0) + pid_n,
+            pid_s,
+            offs_m,
+            offs_n,
+            mask_m[:, None] & mask_n[None, :],
+            stride_ps,
+            stride_pm,
+            stride_om,
+            SPLIT_K,
+            TICKET,
+        )
 
 
 @triton.jit
@@ -205,16 +266,21 @@ def splitk_launch(
     ticket: bool = True,
     num_warps: int = 4,
     num_stages: int = 1,
+    splits_in_program: bool = False,
 ) -> torch.Tensor:
-    """Write ``x @ w.T`` into ``out`` [M, N] (any float dtype). x, w: unit stride along K."""
+    """Write ``x @ w.T`` into ``out`` [M, N] (any float dtype). x, w: unit stride along K.
+    ``splits_in_program``: one program per tile runs all its splits (large M); same result."""
     M, K = x.shape
     N = w.shape[0]
     if M == 0:
         return out
     assert k_per_split % (block_k * promote_chunks) == 0, "K_PER_SPLIT must hold whole promotions"
     split_k = triton.cdiv(K, k_per_split)
-    grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))
-    part, tickets, use_ticket = split_workspace(out, split_k, grid[0] * grid[2], ticket)
+    grid = (triton.cdiv(N, block_n), 1 if splits_in_program else split_k, triton.cdiv(M, block_m))
+    if splits_in_program:
+        part, tickets, use_ticket = out, out, False
+    else:
+        part, tickets, use_ticket = split_workspace(out, split_k, grid[0] * grid[2], ticket)
     _splitk_partials_kernel[grid](
         x,
         w,
@@ -226,7 +292,7 @@ def splitk_launch(
         K,
         x.stride(0),
         w.stride(0),
-        part.stride(0) if split_k > 1 else 0,
+        part.stride(0) if split_k > 1 and not splits_in_program else 0,
         part.stride(-2),
         out.stride(0),
         BLOCK_M=block_m,
@@ -239,10 +305,11 @@ def splitk_launch(
         UPCAST=interpreting(),
         TICKET=use_ticket,
         UNROLL=num_stages == 1,
+        SPLITS_IN_PROGRAM=splits_in_program,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if split_k > 1 and not use_ticket:
+    if split_k > 1 and not use_ticket and not splits_in_program:
         reduce_partials(part, out)
     return out
 

@@ -28,6 +28,9 @@ SPLITK_PIPELINED = KernelConfig(  # the same arithmetic as SPLITK_PROMOTED, as a
     "splitk",
     dict(block_m=32, block_n=16, block_k=32, k_per_split=128, promote_chunks=2, num_warps=4, num_stages=2),
 )
+SPLITK_IN_PROGRAM = KernelConfig(  # SPLITK_PROMOTED's splits summed inside one program, larger tiles
+    "splitk", {**SPLITK_PIPELINED.params, "block_m": 64, "block_n": 32, "splits_in_program": True}
+)
 # Under the interpreter num_warps=1 gives BLOCK_K = 8 * 32 = 256 (bf16): K=300 takes two chunks.
 GEMV = KernelConfig("gemv", dict(block_m=2, block_n=4, k_per_split=0, num_warps=1))
 GEMV_SPLIT = KernelConfig("gemv", dict(block_m=4, block_n=8, k_per_split=256, num_warps=1))
@@ -37,6 +40,7 @@ CONFIGS = {
     "splitk": SPLITK,
     "splitk-pipelined": SPLITK_PIPELINED,
     "splitk-promoted": SPLITK_PROMOTED,
+    "splitk-in-program": SPLITK_IN_PROGRAM,
     "tiled": TILED,
     "tiled-promoted": TILED_PROMOTED,
 }
@@ -97,6 +101,26 @@ def test_pipelined_split_k_is_bitwise_the_unrolled_one(gen):
     assert torch.equal(unrolled, pipelined)
 
 
+@pytest.mark.parametrize("promote_chunks", [0, 2])
+@pytest.mark.parametrize("k", [300, 512])
+def test_splits_in_program_are_bitwise_the_ticket_reduction(gen, promote_chunks, k):
+    """Batch-invariant tables sum a tile's splits inside one program at large M and across
+    programs (ticket) at small M: for one K structure the logits must be bitwise the same,
+    whatever the tiles, with one MMA chain per split (0) or promoted chains (2)."""
+    x, w = _inputs(gen, 70, k, 40)
+    base = {**SPLITK_PROMOTED.params, "promote_chunks": promote_chunks}
+    ticket = run_config(KernelConfig("splitk", base), x, w, _poisoned(70, 40, torch.float32), DOT_NATIVE)
+    for tiles in ((16, 16, 1), (64, 32, 2), (32, 64, 3)):
+        block_m, block_n, stages = tiles
+        cfg = KernelConfig(
+            "splitk",
+            {**base, "block_m": block_m, "block_n": block_n, "num_stages": stages, "splits_in_program": True},
+        )
+        fused = run_config(cfg, x, w, _poisoned(70, 40, torch.float32), DOT_NATIVE)
+        assert torch.equal(fused, ticket), tiles
+    assert relative_error(ticket, reference_logits(x, w)) <= 1e-6
+
+
 def test_dot_mode_selection():
     assert dot_mode_for(torch.bfloat16, torch.bfloat16) == DOT_NATIVE
     assert dot_mode_for(torch.float16, torch.float16) == DOT_NATIVE
@@ -120,7 +144,7 @@ def test_batch_invariant_needle_through_dispatch(gen, mode):
     k, n = 512, 48
     needle, w = _inputs(gen, 1, k, n)
     alone = router_gemm_cuda(needle, w, RouterPrecision(mode), batch_invariant=True)
-    for m in (1, 2, 3, 17, 65):
+    for m in (1, 2, 3, 17, 65, 300):  # 300: the heuristic sums the splits in one program there
         for pos in sorted({0, 1, m // 2, m - 1} & set(range(m))):
             x, _ = _inputs(gen, m, k, n)
             x[pos] = needle[0]
@@ -144,8 +168,14 @@ def test_heuristic_configs_are_well_formed():
                 with_cublas = heuristic_config(m, 7168, 256, mode, bi, 132, cublas=True)
                 if mode != "fp32" and not bi and m > 64:
                     assert with_cublas.kernel == "cublas"
-    # Batch invariance: one config for every M.
-    assert len({heuristic_config(m, 7168, 256, "fp32", True, 132) for m in (1, 17, 4096)}) == 1
+    # Batch invariance: one K structure and tile for every M; above 256 tokens the same splits are
+    # summed inside one program (software-pipelined), nothing else changes.
+    for mode in ("fp32", "bf16-fp32out"):
+        small = {heuristic_config(m, 7168, 256, mode, True, 132) for m in (1, 17, 256)}
+        large = {heuristic_config(m, 7168, 256, mode, True, 132) for m in (257, 4096, 16384)}
+        assert len(small) == len(large) == 1
+        (s,), (g,) = small, large
+        assert g.params == {**s.params, "num_stages": 3, "splits_in_program": True}
 
 
 def test_tuned_table_lookup(monkeypatch):
@@ -193,6 +223,6 @@ def test_startup_description_of_the_cuda_dispatch(monkeypatch):
     text = d.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.float32, 7168, 256)
     assert "fp32 weight split into 3 bf16 MMAs" in text
     text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, True, torch.bfloat16, 7168, 256)
-    assert text.startswith("batch-invariant triton split-K, K split 1024 fixed for every M")
+    assert text.startswith("batch-invariant triton split-K, K split 1024 (BLOCK_K 128) fixed for every M")
     text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, False, torch.bfloat16, 1000, 10)
     assert "heuristic configs" in text

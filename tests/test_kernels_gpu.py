@@ -154,3 +154,55 @@ def test_selfcheck_passes_on_the_invariant_kernel_and_refuses_a_variant_one():
         check_batch_invariance(
             lambda x, w: router_gemm(x, w, "bf16-fp32out"), w, sizes=(1, 2, 3, 17, 64, 255, 4096)
         )
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("mode", ["bf16-fp32out", "fp32"])
+def test_splits_in_program_bitwise_equal_ticket_reduction(shape, mode):
+    """The batch-invariant tables sum a tile's splits in one program at large M and through a
+    ticket at small M: on the GPU's real MMAs (mma.sync for small tiles, wgmma for large ones) the
+    logits must be bitwise the same for one K structure, and so must the heuristic's own pair."""
+    from csrc_triton.configs import heuristic_config, splitk_config
+
+    x, w = _xw(300, shape)
+    x = x.contiguous()
+    dot = dot_mode_for(x.dtype, w.dtype)
+    block_k = 64 if mode == "fp32" else 128
+    for kps in (512, 1024):
+        ref_cfg = splitk_config(16, 16, block_k, kps, mode)
+        ref = run_config(ref_cfg, x, w, torch.full((300, shape.n), float("nan"), device="cuda"), dot)
+        assert _rel(ref, x, w) <= (1e-6 if mode == "fp32" else 1e-5)
+        for block_m, block_n, warps in ((64, 32, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8)):
+            cfg = KernelConfig(
+                "splitk",
+                {
+                    **splitk_config(block_m, block_n, block_k, kps, mode, warps).params,
+                    "num_stages": 3,
+                    "splits_in_program": True,
+                },
+            )
+            out = run_config(cfg, x, w, torch.full((300, shape.n), float("nan"), device="cuda"), dot)
+            assert torch.equal(out, ref), (kps, cfg.describe())
+    small = heuristic_config(1, shape.k, shape.n, mode, True, 132)
+    large = heuristic_config(4096, shape.k, shape.n, mode, True, 132)
+    assert large.params.get("splits_in_program") and not small.params.get("splits_in_program")
+    outs = [run_config(c, x, w, torch.empty(300, shape.n, device="cuda"), dot) for c in (small, large)]
+    assert torch.equal(*outs)
+
+
+@pytest.mark.parametrize("mode", ["bf16-fp32out", "fp32"])
+def test_selfcheck_probes_every_batch_invariant_config_on_this_gpu(mode):
+    """The start-up self-check runs one M per distinct batch-invariant config the dispatch can pick
+    (derived from this GPU's table), and passes."""
+    from vllm_router_ext.benchmarking import M_LIST
+    from vllm_router_ext.selfcheck import check_batch_invariance, probe_sizes
+
+    prec = RouterPrecision(mode)
+    for shape in SHAPES:
+        w = (torch.randn(shape.n, shape.k, device="cuda") / shape.k**0.5).to(torch.bfloat16)
+        sizes = probe_sizes(w, prec)
+        row = torch.empty(1, shape.k, device="cuda", dtype=torch.bfloat16)
+        used = {config_for(row.expand(m, -1), w, prec, True) for m in (*M_LIST, 3000, 12000)}
+        probed = {config_for(row.expand(m, -1), w, prec, True) for m in sizes}
+        assert used <= probed, (shape.name, sizes)
+        check_batch_invariance(lambda x, w: router_gemm(x, w, mode, batch_invariant=True), w, sizes=sizes)

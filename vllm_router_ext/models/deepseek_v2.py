@@ -67,10 +67,11 @@ class RouterPrecisionMixin:
         loaded = super().load_weights(weights)
         self._log_router_settings()
         if self.router_settings.batch_invariant:
-            from vllm_router_ext.selfcheck import check_batch_invariance
+            from vllm_router_ext.selfcheck import check_batch_invariance, probe_sizes
 
             for gate in router_gates(self)[:1]:
-                check_batch_invariance(gate.router_gemm, gate.weight)
+                sizes = probe_sizes(gate.weight, gate.router_settings.precision)
+                check_batch_invariance(gate.router_gemm, gate.weight, sizes=sizes)
         return loaded
 
     def _log_router_settings(self) -> None:

@@ -4,7 +4,9 @@
   where the tuned table measured it faster on this GPU ("never slower than cuBLAS").
 - ``fp32``: the same kernels with promoted fp32 accumulation; an fp32 weight is split exactly
   into three bf16 terms; fp32 activations use IEEE fp32 dots. Never TF32.
-- batch-invariant: one split-K config for every M (no switch of kernel, dtype or K split by M).
+- batch-invariant: the split-K kernel with one K structure for every M (no switch of kernel, dtype
+  or K split by M); only tiles and where the fixed-order split sum happens (a ticket at small M, in
+  registers of one program at large M) vary, among configs verified bitwise equal.
 """
 
 from __future__ import annotations
@@ -98,6 +100,27 @@ def router_gemm_cuda(
     return run_config(cfg, x, weight, out, dot_mode_for(x.dtype, weight.dtype))
 
 
+def _bi_config(m: int, k: int, n: int, precision: RouterPrecision, name: str, sms: int):
+    from csrc_triton.configs import select_config
+
+    return select_config(m, k, n, precision.value, True, name, sms)
+
+
+def batch_invariant_probe_sizes(weight: torch.Tensor, precision: RouterPrecision) -> tuple[int, ...]:
+    """M values at and just above every point where the batch-invariant config changes on this
+    GPU (tiles, pipelining, splits in one program): the start-up self-check runs all of them."""
+    if not weight.is_cuda:
+        return ()
+    name, sms = _device_info(weight.device.index or 0)
+    k, n = weight.shape[1], weight.shape[0]
+    sizes: set[int] = set()
+    for i in range(14):
+        m = 1 << i
+        if _bi_config(m, k, n, precision, name, sms) != _bi_config(m + 1, k, n, precision, name, sms):
+            sizes |= {m, m + 1}
+    return tuple(sorted(sizes))
+
+
 def describe_cuda_dispatch(
     precision: RouterPrecision, batch_invariant: bool, weight_dtype: torch.dtype, k: int, n: int
 ) -> str:
@@ -110,8 +133,17 @@ def describe_cuda_dispatch(
     ]
     if batch_invariant:
         cfg = select_config(1, k, n, precision.value, True, name, sms)
-        kps = cfg.params.get("k_per_split")
-        return f"batch-invariant triton split-K, K split {kps} fixed for every M ({dot}; {cfg.source})"
+        kps, block_k = cfg.params.get("k_per_split"), cfg.params.get("block_k")
+        fused = [
+            m
+            for m in (1 << i for i in range(15))
+            if _bi_config(m, k, n, precision, name, sms).params.get("splits_in_program")
+        ]
+        where = f"; splits summed in one program from M={fused[0]}" if fused else ""
+        return (
+            f"batch-invariant triton split-K, K split {kps} (BLOCK_K {block_k}) fixed for every M{where} "
+            f"({dot}; {cfg.source})"
+        )
     label = {"gemv": "triton GEMV (fp32 FMA)", "splitk": "triton split-K", "tiled": "triton tiled"}
     ranges: list[list] = []  # [kernel, first M, last M]
     for m in (1 << i for i in range(15)):
