@@ -192,7 +192,8 @@ BI_TILES = [
     (64, 128, 4, 3, True),
     (128, 64, 4, 3, True),
     (128, 128, 8, 3, True),
-    (64, 256, 8, 3, True),
+    (64, 64, 4, 3, True),
+    (64, 32, 4, 3, True),
 ]
 BI_M = (1, 16, 64, 256, 1024, 4096, 16384)
 
@@ -226,22 +227,28 @@ def _fastest_non_invariant(shape, mode: str, m: int, xs, ws) -> float:
     return t
 
 
-def tune_batch_invariant(shape, mode: str) -> list[dict]:
+def tune_batch_invariant(shape, mode: str, old: list[dict] | None = None, ms=BI_M) -> list[dict]:
     """Per M, the fastest tiles among configs that share one K structure *and* give bitwise the
-    same logits as that structure's reference config on the same input (checked here)."""
-    inputs = {m: make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m) for m in BI_M}
-    best = {m: _fastest_non_invariant(shape, mode, m, *inputs[m]) for m in BI_M}
+    same logits as that structure's reference config on the same input (checked here).
+    With ``old`` (``--bi-only --m ...`` on a merged table): keep its K structure, retime only
+    ``ms`` and merge them into its buckets."""
+    inputs = {m: make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m) for m in ms}
+    best = {m: _fastest_non_invariant(shape, mode, m, *inputs[m]) for m in ms}
     probe_x = torch.randn(300, shape.k, device="cuda").to(torch.bfloat16)
-    probe_w = inputs[BI_M[0]][1][0]
+    probe_w = inputs[ms[0]][1][0]
     dot_mode = dot_mode_for(probe_x.dtype, probe_w.dtype)
     choices = []
     structures = {(kps, min(bk, 64) if mode == "fp32" else bk) for kps, bk in BI_K_STRUCTURES}
+    if old:
+        structures = {(old[0]["k_per_split"], old[0]["block_k"])}
     for kps, block_k in sorted(structures):
         ref_cfg = _bi_config(kps, block_k, BI_TILES[0], mode)
         ref = run_config(ref_cfg, probe_x, probe_w, torch.empty(300, shape.n, device="cuda"), dot_mode)
         admitted = []
         for tiles in BI_TILES:
             cfg = _bi_config(kps, block_k, tiles, mode)
+            if not any(_bi_fits(cfg, m) for m in ms):
+                continue
             try:
                 out = run_config(cfg, probe_x, probe_w, torch.empty(300, shape.n, device="cuda"), dot_mode)
             except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: not admitted
@@ -252,11 +259,11 @@ def tune_batch_invariant(shape, mode: str) -> list[dict]:
             else:
                 print(f"    {cfg.describe()} differs bitwise from {ref_cfg.describe()}: not admitted")
         per_m = {}
-        for m in BI_M:
+        for m in ms:
             fits = [c for c in admitted if _bi_fits(c, m)]
             timed = sorted(((time_config(c, *inputs[m], mode), c) for c in fits), key=lambda r: r[0])
             per_m[m] = timed[0]
-        worst = max(per_m[m][0] / best[m] for m in BI_M)
+        worst = max(per_m[m][0] / best[m] for m in ms)
         choices.append((worst, kps, block_k, per_m))
     worst, kps, block_k, per_m = min(choices, key=lambda c: c[0])
     print(
@@ -264,11 +271,11 @@ def tune_batch_invariant(shape, mode: str) -> list[dict]:
         + " ".join(f"M={m}:{t:.2f}/{best[m]:.2f}" for m, (t, _) in per_m.items()),
         flush=True,
     )
-    buckets = [
-        {"max_m": m, "kernel": "splitk", **c.params, "us": round(t, 3), "fastest_us": round(best[m], 3)}
-        for m, (t, c) in per_m.items()
-    ]
-    buckets[-1]["max_m"] = None
+    buckets = merge_buckets(old or [], per_m, BI_M)
+    for b in buckets:  # timing notes: this run's fastest non-invariant time next to ours
+        m = b["max_m"] if b["max_m"] is not None else BI_M[-1]
+        if m in best:
+            b["fastest_us"] = round(best[m], 3)
     return buckets
 
 
@@ -322,8 +329,9 @@ def merge_buckets(old: list[dict], new: dict[int, tuple[float, KernelConfig]], m
             points.append({**prior, "max_m": m})
     buckets: list[dict] = []
     for entry in points:
-        same = buckets and {k: v for k, v in buckets[-1].items() if k not in ("max_m", "us")} == {
-            k: v for k, v in entry.items() if k not in ("max_m", "us")
+        notes = ("max_m", "us", "fastest_us")
+        same = buckets and {k: v for k, v in buckets[-1].items() if k not in notes} == {
+            k: v for k, v in entry.items() if k not in notes
         }
         if same:
             buckets[-1]["max_m"] = entry["max_m"]
@@ -378,7 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
     p.add_argument("--m", default=",".join(map(str, M_LIST)))
     p.add_argument("--merge", default=None, help="start from this table; only the listed shapes are retuned")
-    p.add_argument("--bi-only", action="store_true", help="retune only the batch-invariant buckets")
+    p.add_argument(
+        "--bi-only",
+        action="store_true",
+        help="retune only the batch-invariant buckets (with --m: only those M, keeping each K structure)",
+    )
     p.add_argument(
         "--targeted",
         action="store_true",
@@ -410,7 +422,11 @@ def main(argv: list[str] | None = None) -> int:
                 entry[mode] = tune_shape(shape, mode, ms)[0]
                 out.write_text(json.dumps(table, indent=1))
             _reload_table(out)
-            entry[f"{mode}/batch_invariant"] = tune_batch_invariant(shape, mode)
+            key = f"{mode}/batch_invariant"
+            if args.bi_only and args.m != p.get_default("m"):  # retune these M, keep the K structure
+                entry[key] = tune_batch_invariant(shape, mode, entry[key], ms)
+            else:
+                entry[key] = tune_batch_invariant(shape, mode)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(table, indent=1))  # keep what is done if the run is cut short
         print(f"[tune] {shape.name} done at {time.time() - t0:.0f}s", flush=True)

@@ -30,9 +30,9 @@ for step in "$@"; do
           timeout "${TUNE_TIMEOUT:-220}" python3 benchmarks/tune.py --merge "$TABLE" --out "$OUT/nvidia_h200.json" --targeted \
              --m 1,2,4,8,16,128,256,512,1024,2048,4096,8192 2>&1 | tee "$OUT/tune.log" | grep -E "M=(1|16|1024):|done|Error|error"
           cp "$OUT/nvidia_h200.json" "$TABLE" ;;
-    tune-bi) # batch-invariant buckets only, every shape, merged into the committed table
-          timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune.py --merge "$TABLE" --out "$OUT/nvidia_h200.json" --bi-only 2>&1 \
-             | tee "$OUT/tune.log" | grep -E "batch-invariant|differs|skip|done|Error|error"
+    tune-bi) # batch-invariant buckets only (TUNE_ARGS: --shapes, --m), merged into the committed table
+          timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune.py --merge "$TABLE" --out "$OUT/nvidia_h200.json" --bi-only \
+             ${TUNE_ARGS:-} 2>&1 | tee -a "$OUT/tune.log" | grep -E "batch-invariant|differs|done|Error|error"
           cp "$OUT/nvidia_h200.json" "$TABLE" ;;
     tests-k) timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k "${TESTS_K}" 2>&1 \
              | tee "$OUT/pytest-k.log" | grep -vE "^DEBUG|^\s*$" | tail -25 ;;
