@@ -195,7 +195,7 @@ BI_TILES = [
     (64, 64, 4, 3, True),
     (64, 32, 4, 3, True),
 ]
-BI_M = (1, 16, 64, 256, 1024, 4096, 16384)
+BI_M = (1, 16, 64, 256, 512, 1024, 2048, 4096, 16384)
 
 
 def _bi_fits(cfg: KernelConfig, m: int) -> bool:
@@ -385,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
     p.add_argument("--m", default=",".join(map(str, M_LIST)))
+    p.add_argument("--modes", default="bf16-fp32out,fp32")
     p.add_argument("--merge", default=None, help="start from this table; only the listed shapes are retuned")
     p.add_argument(
         "--bi-only",
@@ -413,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         if shape.name not in args.shapes.split(","):
             continue
         entry = table["shapes"].setdefault(f"{shape.k}x{shape.n}", {"model": shape.name})
-        for mode in ("bf16-fp32out", "fp32"):
+        for mode in args.modes.split(","):
             if args.targeted:
                 entry[mode] = tune_targeted(shape, mode, entry.get(mode, []), ms)
                 out.write_text(json.dumps(table, indent=1))
