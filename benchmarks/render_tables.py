@@ -1,0 +1,51 @@
+"""Render a benchmark JSON (``python -m vllm_router_ext.bench``) as the speed tables of
+docs/benchmarks.md: µs per call and the ratio to cuBLAS measured in the same run.
+
+    python benchmarks/render_tables.py benchmarks/results/bench-h200-<commit>.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+
+COLUMNS = [  # (JSON key, table header)
+    ("ours bf16-fp32out", "ours bf16-fp32out"),
+    ("ours fp32", "ours fp32"),
+    ("ours bf16", "ours bf16"),
+    ("ours BI bf16-fp32out", "ours BI bf16-fp32out"),
+    ("ours BI fp32", "ours BI fp32"),
+    ("ours fp32 (fp32 weight)", "ours fp32, fp32 weight"),
+    ("cuBLAS mm out_dtype=fp32", "cuBLAS (mm, out fp32)"),
+    ("F.linear fp32 upcast", "F.linear fp32 upcast"),
+    ("F.linear bf16", "F.linear bf16"),
+]
+CUBLAS = "cuBLAS mm out_dtype=fp32"
+
+
+def render(rows: list[dict]) -> str:
+    by_shape: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_shape[r["shape"]].append(r)
+    out = []
+    for shape, rs in by_shape.items():
+        out.append(f"#### {shape} (K={rs[0]['K']}, N={rs[0]['N']})\n")
+        out.append("| M | " + " | ".join(h for _, h in COLUMNS) + " | HBM floor |")
+        out.append("|---:|" + "---:|" * (len(COLUMNS) + 1))
+        for r in rs:
+            cells = []
+            for key, _ in COLUMNS:
+                if key not in r:
+                    cells.append("")
+                elif key == CUBLAS:
+                    cells.append(f"{r[key]:.2f}")
+                else:
+                    cells.append(f"{r[key]:.2f} ({r[key] / r[CUBLAS]:.2f}×)")
+            out.append(f"| {r['M']} | " + " | ".join(cells) + f" | {r['floor_us']:.2f} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(render(json.loads(open(sys.argv[1]).read())["speed"]))
