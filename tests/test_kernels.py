@@ -224,5 +224,8 @@ def test_startup_description_of_the_cuda_dispatch(monkeypatch):
     assert "fp32 weight split into 3 bf16 MMAs" in text
     text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, True, torch.bfloat16, 7168, 256)
     assert text.startswith("batch-invariant triton split-K, K split 512 (BLOCK_K 128) fixed for every M")
+    assert "; splits summed in one program from M=" in text
+    text = d.describe_cuda_dispatch(RouterPrecision.FP32, True, torch.bfloat16, 1000, 10)
+    assert "splits summed in one program from M=257 " in text and "heuristic" in text
     text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, False, torch.bfloat16, 1000, 10)
     assert "heuristic configs" in text

@@ -134,10 +134,10 @@ def describe_cuda_dispatch(
     if batch_invariant:
         cfg = select_config(1, k, n, precision.value, True, name, sms)
         kps, block_k = cfg.params.get("k_per_split"), cfg.params.get("block_k")
+        # Buckets start at 1 or just above a power of two (table max_m values, heuristic threshold).
+        starts = (1, *((1 << i) + 1 for i in range(14)))
         fused = [
-            m
-            for m in (1 << i for i in range(15))
-            if _bi_config(m, k, n, precision, name, sms).params.get("splits_in_program")
+            m for m in starts if _bi_config(m, k, n, precision, name, sms).params.get("splits_in_program")
         ]
         where = f"; splits summed in one program from M={fused[0]}" if fused else ""
         return (
