@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 PROMPTS = [
@@ -51,7 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=args.max_tokens, temperature=0))
     records = llm.apply_model(probes.collect_gate_records)[0]
     torch.save({"texts": [o.outputs[0].text for o in outs], "gates": gates, "records": records}, args.out)
-    return 0
+    # Stop the engine (and its workers) now, then skip interpreter teardown: with TP=2 on the CPU,
+    # a C++ thread left in this process once aborted teardown after a complete run ("terminate called
+    # without an active exception", exit -6, CI 2026-11-30); everything the tests read is saved.
+    llm.llm_engine.engine_core.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
