@@ -29,6 +29,7 @@ from csrc_triton.configs import (  # noqa: E402
     KernelConfig,
     bucket_for,
     device_key,
+    pipelined_splitk_config,
     splitk_config,
 )
 from vllm_router_ext.benchmarking import M_LIST, SHAPES, make_inputs, rotation_copies, time_graph  # noqa: E402
@@ -74,7 +75,6 @@ TILED = [  # (block_m, block_n, block_k, num_warps, num_stages)
     (128, 256, 64, 8, 4),
     (256, 128, 64, 8, 3),
 ]
-BI_M = (1, 16, 64, 256, 4096, 16384)
 
 
 def gemv_candidates(m: int) -> list[KernelConfig]:
@@ -97,9 +97,7 @@ def splitk_candidates(m: int, mode: str) -> list[KernelConfig]:
             for block_n, kps, block_k, warps in SPLITK_SHAPES
         ]
     if m >= 128:
-        for block_m, block_n, kps, warps in BIG_SPLITK:
-            cfg = splitk_config(block_m, block_n, 64, kps, mode, warps)
-            out.append(KernelConfig("splitk", {**cfg.params, "num_stages": 3}))
+        out += [pipelined_splitk_config(bm, bn, kps, mode, warps) for bm, bn, kps, warps in BIG_SPLITK]
     return out
 
 
@@ -209,9 +207,9 @@ def _bi_fits(cfg: KernelConfig, m: int) -> bool:
 
 def _bi_config(kps: int, block_k: int, tiles: tuple, mode: str) -> KernelConfig:
     block_m, block_n, warps, stages, in_program = tiles
-    cfg = splitk_config(block_m, block_n, block_k, kps, mode, warps)
-    extra = {"splits_in_program": True} if in_program else {}
-    return KernelConfig("splitk", {**cfg.params, "num_stages": stages, **extra})
+    return splitk_config(
+        block_m, block_n, block_k, kps, mode, warps, num_stages=stages, splits_in_program=in_program
+    )
 
 
 def _fastest_non_invariant(shape, mode: str, m: int, xs, ws) -> float:
@@ -297,10 +295,7 @@ def targeted_candidates(m: int, mode: str) -> list[KernelConfig]:
         for bm, bn, w in TARGETED_GEMV.get(m, [])
     ]
     if mode == "fp32" and 128 <= m <= 8192:
-        cands += [
-            KernelConfig("splitk", {**splitk_config(bm, bn, 64, kps, mode, w).params, "num_stages": 3})
-            for bm, bn, kps, w in TARGETED_FP32_MID
-        ]
+        cands += [pipelined_splitk_config(bm, bn, kps, mode, w) for bm, bn, kps, w in TARGETED_FP32_MID]
     return cands
 
 

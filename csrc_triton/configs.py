@@ -72,32 +72,40 @@ def _fp32_promotion(block_k: int) -> int:
 
 
 def splitk_config(
-    block_m: int, block_n: int, block_k: int, k_per_split: int, mode: str, num_warps: int = 4
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    k_per_split: int,
+    mode: str,
+    num_warps: int = 4,
+    *,
+    num_stages: int = 1,
+    splits_in_program: bool = False,
 ) -> KernelConfig:
-    """A split-K config; the fp32 mode uses BLOCK_K <= 64 and 128-long promoted MMA chains."""
+    """A split-K config; the fp32 mode uses BLOCK_K <= 64 and 128-long promoted MMA chains.
+    ``num_stages`` 1 unrolls each split's K loop, more software-pipelines it (same sums)."""
     fp32 = mode == "fp32"
     if fp32:
         block_k = min(block_k, 64)
-    return KernelConfig(
-        "splitk",
-        dict(
-            block_m=block_m,
-            block_n=block_n,
-            block_k=block_k,
-            k_per_split=k_per_split,
-            promote_chunks=_fp32_promotion(block_k) if fp32 else 0,
-            num_warps=num_warps,
-            num_stages=1,
-        ),
+    params = dict(
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        k_per_split=k_per_split,
+        promote_chunks=_fp32_promotion(block_k) if fp32 else 0,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
+    if splits_in_program:  # only when set: tables and configs without the key stay equal
+        params["splits_in_program"] = True
+    return KernelConfig("splitk", params)
 
 
 def pipelined_splitk_config(
     block_m: int, block_n: int, k_per_split: int, mode: str, num_warps: int
 ) -> KernelConfig:
     """A split-K config with large tiles and a software-pipelined K loop (BLOCK_K 64, 3 stages)."""
-    cfg = splitk_config(block_m, block_n, 64, k_per_split, mode, num_warps)
-    return KernelConfig("splitk", {**cfg.params, "num_stages": 3})
+    return splitk_config(block_m, block_n, 64, k_per_split, mode, num_warps, num_stages=3)
 
 
 #: Batch-invariant heuristic: above this M, a tile's splits run in one program (same sums).
@@ -127,10 +135,11 @@ def heuristic_config(
         n_blocks = -(-n // block_n)
         splits = max(1, min(k // 256, -(-2 * sm_count // n_blocks)))
         k_per_split = max(256, -(-k // splits + 255) // 256 * 256)
-        cfg = splitk_config(block_m, block_n, 128, k_per_split, mode)
         if batch_invariant and m > BI_SPLITS_IN_PROGRAM_FROM:
-            return KernelConfig("splitk", {**cfg.params, "num_stages": 3, "splits_in_program": True})
-        return cfg
+            return splitk_config(
+                block_m, block_n, 128, k_per_split, mode, num_stages=3, splits_in_program=True
+            )
+        return splitk_config(block_m, block_n, 128, k_per_split, mode)
     if m <= 512:
         return pipelined_splitk_config(64, 64, 1024, mode, 4)
     if m <= 2048:

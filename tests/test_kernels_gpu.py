@@ -173,13 +173,8 @@ def test_splits_in_program_bitwise_equal_ticket_reduction(shape, mode):
         ref = run_config(ref_cfg, x, w, torch.full((300, shape.n), float("nan"), device="cuda"), dot)
         assert _rel(ref, x, w) <= (1e-6 if mode == "fp32" else 1e-5)
         for block_m, block_n, warps in ((64, 32, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8)):
-            cfg = KernelConfig(
-                "splitk",
-                {
-                    **splitk_config(block_m, block_n, block_k, kps, mode, warps).params,
-                    "num_stages": 3,
-                    "splits_in_program": True,
-                },
+            cfg = splitk_config(
+                block_m, block_n, block_k, kps, mode, warps, num_stages=3, splits_in_program=True
             )
             out = run_config(cfg, x, w, torch.full((300, shape.n), float("nan"), device="cuda"), dot)
             assert torch.equal(out, ref), (kps, cfg.describe())

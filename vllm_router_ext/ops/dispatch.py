@@ -100,10 +100,17 @@ def router_gemm_cuda(
     return run_config(cfg, x, weight, out, dot_mode_for(x.dtype, weight.dtype))
 
 
-def _bi_config(m: int, k: int, n: int, precision: RouterPrecision, name: str, sms: int):
+def _batch_invariant_buckets(k: int, n: int, precision: RouterPrecision, name: str, sms: int) -> list:
+    """``[(first M, config)]`` of every batch-invariant bucket on this GPU. Buckets start at 1 or
+    just above a power of two (the tables' ``max_m`` values, the heuristic's threshold)."""
     from csrc_triton.configs import select_config
 
-    return select_config(m, k, n, precision.value, True, name, sms)
+    buckets: list = []
+    for m in (1, *((1 << i) + 1 for i in range(14))):
+        cfg = select_config(m, k, n, precision.value, True, name, sms)
+        if not buckets or buckets[-1][1] != cfg:
+            buckets.append((m, cfg))
+    return buckets
 
 
 def batch_invariant_probe_sizes(weight: torch.Tensor, precision: RouterPrecision) -> tuple[int, ...]:
@@ -112,13 +119,8 @@ def batch_invariant_probe_sizes(weight: torch.Tensor, precision: RouterPrecision
     if not weight.is_cuda:
         return ()
     name, sms = _device_info(weight.device.index or 0)
-    k, n = weight.shape[1], weight.shape[0]
-    sizes: set[int] = set()
-    for i in range(14):
-        m = 1 << i
-        if _bi_config(m, k, n, precision, name, sms) != _bi_config(m + 1, k, n, precision, name, sms):
-            sizes |= {m, m + 1}
-    return tuple(sorted(sizes))
+    starts = [m for m, _ in _batch_invariant_buckets(weight.shape[1], weight.shape[0], precision, name, sms)]
+    return tuple(sorted({s for m in starts[1:] for s in (m - 1, m)}))
 
 
 def describe_cuda_dispatch(
@@ -132,13 +134,10 @@ def describe_cuda_dispatch(
         dot_mode_for(torch.bfloat16, weight_dtype)
     ]
     if batch_invariant:
-        cfg = select_config(1, k, n, precision.value, True, name, sms)
+        buckets = _batch_invariant_buckets(k, n, precision, name, sms)
+        cfg = buckets[0][1]
         kps, block_k = cfg.params.get("k_per_split"), cfg.params.get("block_k")
-        # Buckets start at 1 or just above a power of two (table max_m values, heuristic threshold).
-        starts = (1, *((1 << i) + 1 for i in range(14)))
-        fused = [
-            m for m in starts if _bi_config(m, k, n, precision, name, sms).params.get("splits_in_program")
-        ]
+        fused = [m for m, c in buckets if c.params.get("splits_in_program")]
         where = f"; splits summed in one program from M={fused[0]}" if fused else ""
         return (
             f"batch-invariant triton split-K, K split {kps} (BLOCK_K {block_k}) fixed for every M{where} "
