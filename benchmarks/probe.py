@@ -7,6 +7,9 @@
 - fp32mid: the fp32 mode at 256..4096 tokens: pipelined split-K with large tiles vs the tiled kernel.
 - bi: batch-invariant candidates at large M: pipelined split-K with large tiles per K split, and
   whether they are bitwise equal to the small-tile unrolled reference of the same K split.
+- bismall: batch-invariant candidates at small M with no ticket: one program per 16-32 experts runs
+  every K split of its tile (``splits_in_program``) in a deep software pipeline (many bytes in
+  flight per SM instead of many programs), checked bitwise against the K split 512 reference.
 Every candidate is checked against fp64 before it is timed. Prints the best few per case; writes
 ``probe.json``.
 """
@@ -198,6 +201,43 @@ def section_bi(results):
                 run_case(f"bi {mode} kps={kps} M={m}", cands, xs, ws, 1e-5, refs, results, top=3)
 
 
+def section_bismall(results, names=("DeepSeek-V3", "Kimi-K2"), ms=(1, 4, 16, 64, 256)):
+    for name in names:
+        s = SHAPE[name]
+        probe_x = torch.randn(300, s.k, device="cuda").to(torch.bfloat16)
+        probe_w = (torch.randn(s.n, s.k, device="cuda") / s.k**0.5).to(torch.bfloat16)
+        dm = dot_mode_for(probe_x.dtype, probe_w.dtype)
+        for mode in ("bf16-fp32out", "fp32"):
+            ref_cfg = splitk_config(16, 16, 128, 512, mode, 4)
+            ref = run_config(ref_cfg, probe_x, probe_w, torch.empty(300, s.n, device="cuda"), dm)
+            cands = []
+            for bm, bn, warps in ((16, 16, 4), (64, 16, 4), (16, 16, 2), (16, 32, 4)):
+                for stages in (3, 5, 8):
+                    for bk in (128, 256) if mode != "fp32" else (64,):
+                        c = splitk_config(
+                            bm, bn, bk, 512, mode, warps, num_stages=stages, splits_in_program=True
+                        )
+                        try:
+                            out = run_config(c, probe_x, probe_w, torch.empty(300, s.n, device="cuda"), dm)
+                        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                            print(f"  skip {c.describe()}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                            continue
+                        if torch.equal(out, ref):
+                            cands.append(c)
+                        else:
+                            print(f"  bismall {name} {mode}: {c.describe()} differs bitwise", flush=True)
+            for m in ms:
+                xs, ws = make_inputs(m, s.k, s.n, rotation_copies(m, s.k, s.n), seed=m)
+                refs = {
+                    "cuBLAS": time_fn(lambda x, w: torch.mm(x, w.T, out_dtype=torch.float32), xs, ws),
+                    "fastest": time_fn(lambda x, w, mode=mode: router_gemm(x, w, mode), xs, ws),
+                    "BI now": time_fn(
+                        lambda x, w, mode=mode: router_gemm(x, w, mode, batch_invariant=True), xs, ws
+                    ),
+                }
+                run_case(f"bismall {name} {mode} M={m}", cands, xs, ws, 1e-5, refs, results, top=4)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="probe-out")
@@ -206,7 +246,9 @@ def main() -> int:
     results: list[dict] = []
     t0 = time.time()
     for name in args.sections.split(","):
-        {"gemv": section_gemv, "fp32mid": section_fp32mid, "bi": section_bi}[name](results)
+        {"gemv": section_gemv, "fp32mid": section_fp32mid, "bi": section_bi, "bismall": section_bismall}[
+            name
+        ](results)
         print(f"[probe] {name} done at {time.time() - t0:.0f}s", flush=True)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "probe.json").write_text(json.dumps(results, indent=1))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: any of the steps below, in order. Runs without vLLM; outputs under $OUT.
-#   bash scripts/gpu_check.sh [tests] [tests-gpu] [ncu] [tune] [tune-rest] [tune-targeted] [tune-bi] [tests-k] [bench]
+#   bash scripts/gpu_check.sh [tests] [tests-gpu] [ncu] [tune] [tune-rest] [tune-targeted] [tune-bi] [tests-k] [probe] [bench]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -34,6 +34,8 @@ for step in "$@"; do
           timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune.py --merge "$TABLE" --out "$OUT/nvidia_h200.json" --bi-only \
              ${TUNE_ARGS:-} 2>&1 | tee -a "$OUT/tune.log" | grep -E "batch-invariant|differs|done|Error|error"
           cp "$OUT/nvidia_h200.json" "$TABLE" ;;
+    probe) timeout "${PROBE_TIMEOUT:-400}" python3 benchmarks/probe.py --out "$OUT" --sections "${PROBE_SECTIONS:-bismall}" 2>&1 \
+             | tee "$OUT/probe.log" | grep -vE "^\s*$" | tail -120 ;;
     tests-k) timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k "${TESTS_K}" 2>&1 \
              | tee "$OUT/pytest-k.log" | grep -vE "^DEBUG|^\s*$" | tail -25 ;;
     bench) timeout "${BENCH_TIMEOUT:-600}" python3 -m vllm_router_ext.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -vE "^\s+[A-Za-z0-9-]+ M=" | tail -150 ;;
