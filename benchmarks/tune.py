@@ -175,23 +175,27 @@ def tune_shape(shape, mode: str, ms) -> tuple[list[dict], dict[int, float]]:
 
 
 #: K structures a batch-invariant config may fix: (k_per_split, block_k); promotion follows the mode.
-BI_K_STRUCTURES = [(512, 128), (1024, 128)]
-#: (block_m, block_n, num_warps, num_stages, splits_in_program): unrolled small tiles (ticket),
-#: software-pipelined large tiles (ticket), and large tiles that sum their splits in one program.
+#: The split partials are summed in fixed point (exact, order-free), so short splits are cheap:
+#: 256 gives the most programs at small M (28 splits on K=7168, within the 31 the sum counts).
+BI_K_STRUCTURES = [(256, 128)]
+#: (block_m, block_n, num_warps, num_stages, splits_in_program, block_k or None = the structure's):
+#: unrolled small tiles (one load and one MMA chain per split with block_k 256), pipelined large
+#: tiles, and large tiles that sum their splits in one program. A tile whose BLOCK_K differs from
+#: the structure's is admitted only if bitwise equal to the reference (one MMA chain per split).
 BI_TILES = [
-    (16, 16, 4, 1, False),
-    (64, 32, 4, 1, False),
-    (64, 64, 4, 1, False),
-    (128, 64, 8, 1, False),
-    (64, 64, 4, 3, False),
-    (128, 64, 4, 3, False),
-    (64, 128, 4, 3, False),
-    (128, 128, 8, 3, False),
-    (64, 128, 4, 3, True),
-    (128, 64, 4, 3, True),
-    (128, 128, 8, 3, True),
-    (64, 64, 4, 3, True),
-    (64, 32, 4, 3, True),
+    (16, 16, 4, 1, False, None),
+    (16, 16, 4, 1, False, 256),
+    (16, 32, 4, 1, False, 256),
+    (32, 32, 4, 1, False, 256),
+    (64, 32, 4, 1, False, None),
+    (64, 64, 4, 1, False, None),
+    (64, 64, 4, 3, False, None),
+    (128, 64, 4, 3, False, None),
+    (64, 128, 4, 3, True, None),
+    (128, 64, 4, 3, True, None),
+    (128, 128, 8, 3, True, None),
+    (64, 64, 4, 3, True, None),
+    (64, 32, 4, 3, True, None),
 ]
 BI_M = (1, 16, 64, 256, 512, 1024, 2048, 4096, 16384)
 
@@ -206,9 +210,17 @@ def _bi_fits(cfg: KernelConfig, m: int) -> bool:
 
 
 def _bi_config(kps: int, block_k: int, tiles: tuple, mode: str) -> KernelConfig:
-    block_m, block_n, warps, stages, in_program = tiles
+    block_m, block_n, warps, stages, in_program, tile_block_k = tiles
     return splitk_config(
-        block_m, block_n, block_k, kps, mode, warps, num_stages=stages, splits_in_program=in_program
+        block_m,
+        block_n,
+        tile_block_k or block_k,
+        kps,
+        mode,
+        warps,
+        num_stages=stages,
+        splits_in_program=in_program,
+        fixed_point=True,
     )
 
 
@@ -237,15 +249,18 @@ def tune_batch_invariant(shape, mode: str, old: list[dict] | None = None, ms=BI_
     dot_mode = dot_mode_for(probe_x.dtype, probe_w.dtype)
     choices = []
     structures = {(kps, min(bk, 64) if mode == "fp32" else bk) for kps, bk in BI_K_STRUCTURES}
-    if old:
-        structures = {(old[0]["k_per_split"], old[0]["block_k"])}
+    if old:  # keep the table's K split; the structure's BLOCK_K is the reference tile's
+        kept = old[0]["k_per_split"]
+        structures = {(kps, bk) for kps, bk in structures if kps == kept} or {
+            (kept, 64 if mode == "fp32" else 128)
+        }
     for kps, block_k in sorted(structures):
         ref_cfg = _bi_config(kps, block_k, BI_TILES[0], mode)
         ref = run_config(ref_cfg, probe_x, probe_w, torch.empty(300, shape.n, device="cuda"), dot_mode)
         admitted = []
         for tiles in BI_TILES:
             cfg = _bi_config(kps, block_k, tiles, mode)
-            if not any(_bi_fits(cfg, m) for m in ms):
+            if cfg in admitted or not any(_bi_fits(cfg, m) for m in ms):
                 continue
             try:
                 out = run_config(cfg, probe_x, probe_w, torch.empty(300, shape.n, device="cuda"), dot_mode)

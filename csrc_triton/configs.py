@@ -31,6 +31,7 @@ PARAM_KEYS = (
     "num_warps",
     "num_stages",
     "splits_in_program",
+    "fixed_point",
 )
 
 
@@ -47,6 +48,8 @@ class KernelConfig:
         inner = ",".join(f"{k}={self.params[k]}" for k in keys if k in self.params)
         if self.params.get("splits_in_program"):
             inner += ",splits_in_program"
+        if self.params.get("fixed_point"):
+            inner += ",fixed_point"
         return f"triton {self.kernel}({inner})"
 
     def __hash__(self) -> int:
@@ -81,9 +84,11 @@ def splitk_config(
     *,
     num_stages: int = 1,
     splits_in_program: bool = False,
+    fixed_point: bool = False,
 ) -> KernelConfig:
     """A split-K config; the fp32 mode uses BLOCK_K <= 64 and 128-long promoted MMA chains.
-    ``num_stages`` 1 unrolls each split's K loop, more software-pipelines it (same sums)."""
+    ``num_stages`` 1 unrolls each split's K loop, more software-pipelines it (same sums).
+    ``fixed_point``: the split partials are summed exactly (the batch-invariant configs)."""
     fp32 = mode == "fp32"
     if fp32:
         block_k = min(block_k, 64)
@@ -98,6 +103,8 @@ def splitk_config(
     )
     if splits_in_program:  # only when set: tables and configs without the key stay equal
         params["splits_in_program"] = True
+    if fixed_point:
+        params["fixed_point"] = True
     return KernelConfig("splitk", params)
 
 
@@ -110,6 +117,8 @@ def pipelined_splitk_config(
 
 #: Batch-invariant heuristic: above this M, a tile's splits run in one program (same sums).
 BI_SPLITS_IN_PROGRAM_FROM = 256
+#: The fixed-point split sum counts arrivals in 5 bits (``router_gemm_splitk.FIXED_MAX_SPLITS``).
+BI_MAX_SPLITS = 31
 
 
 def heuristic_config(
@@ -119,9 +128,10 @@ def heuristic_config(
     Up to 4 tokens: the FMA GEMV, one K split. Up to 64: unrolled split-K with >= 2 programs per
     SM. Above 64 the 16-bit modes go to cuBLAS where it exists (on the H200 our kernels never beat
     it there); the fp32 mode has no cuBLAS equivalent and takes pipelined split-K / tiled kernels.
-    Batch-invariant: one K structure and one tile for every M; above 256 tokens the same splits
-    run inside one program per tile (``splits_in_program``: bitwise the same sums, no partials in
-    memory), software-pipelined."""
+    Batch-invariant: one K structure and one tile for every M, the split partials summed exactly in
+    fixed point (``fixed_point``: one atomic round trip, order-free); above 256 tokens the same
+    splits run inside one program per tile (``splits_in_program``: bitwise the same sums, no
+    partials in memory), software-pipelined."""
     fp32 = mode == "fp32"
     if not batch_invariant and m <= 4:
         block_m = min(2, 1 << (m - 1).bit_length())
@@ -135,9 +145,18 @@ def heuristic_config(
         n_blocks = -(-n // block_n)
         splits = max(1, min(k // 256, -(-2 * sm_count // n_blocks)))
         k_per_split = max(256, -(-k // splits + 255) // 256 * 256)
-        if batch_invariant and m > BI_SPLITS_IN_PROGRAM_FROM:
+        if batch_invariant:
+            k_per_split = max(k_per_split, -(-k // BI_MAX_SPLITS + 255) // 256 * 256)
+            in_program = m > BI_SPLITS_IN_PROGRAM_FROM
             return splitk_config(
-                block_m, block_n, 128, k_per_split, mode, num_stages=3, splits_in_program=True
+                block_m,
+                block_n,
+                128,
+                k_per_split,
+                mode,
+                num_stages=3 if in_program else 1,
+                splits_in_program=in_program,
+                fixed_point=True,
             )
         return splitk_config(block_m, block_n, 128, k_per_split, mode)
     if m <= 512:

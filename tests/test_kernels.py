@@ -121,6 +121,91 @@ def test_splits_in_program_are_bitwise_the_ticket_reduction(gen, promote_chunks,
     assert relative_error(ticket, reference_logits(x, w)) <= 1e-6
 
 
+FIXED = KernelConfig(  # SPLITK_PROMOTED's splits, summed exactly in fixed point (atomically)
+    "splitk", {**SPLITK_PROMOTED.params, "fixed_point": True}
+)
+
+
+def _fixed_words_left():
+    from csrc_triton.router_gemm_splitk import _FIXED_WORDS
+
+    return [int(b.abs().max()) for b in _FIXED_WORDS.values()]
+
+
+@pytest.mark.parametrize("promote_chunks", [0, 2])
+@pytest.mark.parametrize("k", [300, 512])
+def test_fixed_point_split_sum_is_bitwise_the_same_in_one_program(gen, promote_chunks, k):
+    """The batch-invariant split sum: atomically in memory at small M, in registers of one
+    program at large M; the same integers, so bitwise the same logits, call after call, and
+    every word is left at zero for the next call."""
+    x, w = _inputs(gen, 70, k, 40)
+    base = {**FIXED.params, "promote_chunks": promote_chunks}
+    first = run_config(KernelConfig("splitk", base), x, w, _poisoned(70, 40, torch.float32), DOT_NATIVE)
+    again = run_config(KernelConfig("splitk", base), x, w, _poisoned(70, 40, torch.float32), DOT_NATIVE)
+    assert torch.equal(first, again)
+    assert set(_fixed_words_left()) == {0}
+    for block_m, block_n, stages in ((16, 16, 1), (64, 32, 2), (32, 64, 3)):
+        params = {**base, "block_m": block_m, "block_n": block_n, "num_stages": stages}
+        fused = run_config(
+            KernelConfig("splitk", {**params, "splits_in_program": True}),
+            x,
+            w,
+            _poisoned(70, 40, torch.float32),
+            DOT_NATIVE,
+        )
+        assert torch.equal(fused, first), (block_m, block_n, stages)
+    assert relative_error(first, reference_logits(x, w)) <= 1e-6
+
+
+def test_fixed_point_sum_is_the_rounded_sum_of_truncated_partials(gen):
+    """What the fixed-point sum computes, re-derived in torch: each split's fp32 partial (the
+    same kernel with one split over that K range) truncated to a multiple of 2^-32, the integers
+    added exactly, the sum rounded to fp32 once."""
+    x, w = _inputs(gen, 5, 384, 24)
+    one_split = {**SPLITK.params, "k_per_split": 128}
+    parts = [
+        run_config(
+            KernelConfig("splitk", one_split),
+            x[:, s : s + 128].contiguous(),
+            w[:, s : s + 128].contiguous(),
+            _poisoned(5, 24, torch.float32),
+            DOT_NATIVE,
+        )
+        for s in (0, 128, 256)
+    ]
+    ints = sum(torch.trunc(p.double() * 2.0**32).to(torch.int64) for p in parts)
+    expected = ints.to(torch.float32) * 2.0**-32
+    cfg = KernelConfig("splitk", {**one_split, "fixed_point": True})
+    got = run_config(cfg, x, w, _poisoned(5, 24, torch.float32), DOT_NATIVE)
+    assert torch.equal(got, expected)
+
+
+def test_fixed_point_poisons_what_it_cannot_hold(gen):
+    """A split partial beyond +-2^16 (or inf / NaN) cannot be summed exactly: that logit is NaN,
+    deterministically, in both forms; the other rows are untouched; the words are reset."""
+    x, w = _inputs(gen, 6, 512, 40)
+    clean = run_config(FIXED, x, w, _poisoned(6, 40, torch.float32), DOT_NATIVE)
+    x[1, 3] = float("inf")
+    x[4, 200] = 3e38
+    x[5, 0] = 2e6  # split 0's partial ~ 2e6 * w[n, 0]: past 2^16 for some logits, not others
+    split0 = (x[5, :128].double() @ w[:, :128].double().T).abs()
+    assert (split0 > 2**16 + 1).any() and (split0 < 2**16 - 1).any()
+    for params in (FIXED.params, {**FIXED.params, "splits_in_program": True, "num_stages": 2}):
+        out = run_config(KernelConfig("splitk", params), x, w, _poisoned(6, 40, torch.float32), DOT_NATIVE)
+        assert out[1].isnan().all() and out[4].isnan().all()
+        assert torch.equal(out[[0, 2, 3]], clean[[0, 2, 3]])
+        clear = (split0 - 2**16).abs() > 1  # away from the edge, where rounding could decide
+        assert torch.equal(out[5].isnan()[clear], (split0 > 2**16)[clear])
+    assert set(_fixed_words_left()) == {0}
+
+
+def test_fixed_point_refuses_more_splits_than_it_counts(gen):
+    x, w = _inputs(gen, 2, 32 * 32, 16)
+    cfg = KernelConfig("splitk", {**FIXED.params, "k_per_split": 32, "block_k": 32, "promote_chunks": 1})
+    with pytest.raises(ValueError, match="32 splits; at most 31 allowed"):
+        run_config(cfg, x, w, _poisoned(2, 16, torch.float32), DOT_NATIVE)
+
+
 def test_dot_mode_selection():
     assert dot_mode_for(torch.bfloat16, torch.bfloat16) == DOT_NATIVE
     assert dot_mode_for(torch.float16, torch.float16) == DOT_NATIVE

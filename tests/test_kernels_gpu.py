@@ -159,28 +159,37 @@ def test_selfcheck_passes_on_the_invariant_kernel_and_refuses_a_variant_one():
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 @pytest.mark.parametrize("mode", ["bf16-fp32out", "fp32"])
 def test_splits_in_program_bitwise_equal_ticket_reduction(shape, mode):
-    """The batch-invariant tables sum a tile's splits in one program at large M and through a
-    ticket at small M: on the GPU's real MMAs (mma.sync for small tiles, wgmma for large ones) the
-    logits must be bitwise the same for one K structure, and so must the heuristic's own pair."""
+    """The batch-invariant tables sum a tile's splits in one program at large M and across
+    programs at small M (a ticket, or the exact fixed-point sum in memory): on the GPU's real MMAs
+    (mma.sync for small tiles, wgmma for large ones) the logits must be bitwise the same for one K
+    structure and one kind of sum, and so must the heuristic's own pair."""
     from csrc_triton.configs import heuristic_config, splitk_config
+    from csrc_triton.router_gemm_splitk import _FIXED_WORDS
 
     x, w = _xw(300, shape)
     x = x.contiguous()
     dot = dot_mode_for(x.dtype, w.dtype)
     block_k = 64 if mode == "fp32" else 128
-    for kps in (512, 1024):
-        ref_cfg = splitk_config(16, 16, block_k, kps, mode)
+    for kps, fixed in ((256, True), (512, True), (512, False), (1024, False)):
+        ref_cfg = splitk_config(16, 16, block_k, kps, mode, fixed_point=fixed)
         ref = run_config(ref_cfg, x, w, torch.full((300, shape.n), float("nan"), device="cuda"), dot)
         assert _rel(ref, x, w) <= (1e-6 if mode == "fp32" else 1e-5)
-        for block_m, block_n, warps in ((64, 32, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8)):
+        tiles = [(64, 32, 4, 3, True), (64, 128, 4, 3, True), (128, 64, 4, 3, True), (128, 128, 8, 3, True)]
+        if fixed:  # the small-M tiles: one load and one MMA chain per split (16-bit), or pipelined
+            tiles += [(16, 32, 4, 1, False), (64, 64, 4, 3, False)]
+        for block_m, block_n, warps, stages, in_program in tiles:
+            bk = 256 if fixed and not in_program and stages == 1 and mode != "fp32" else block_k
             cfg = splitk_config(
-                block_m, block_n, block_k, kps, mode, warps, num_stages=3, splits_in_program=True
-            )
+                block_m, block_n, bk, kps, mode, warps, num_stages=stages, splits_in_program=in_program,
+                fixed_point=fixed,
+            )  # fmt: skip
             out = run_config(cfg, x, w, torch.full((300, shape.n), float("nan"), device="cuda"), dot)
             assert torch.equal(out, ref), (kps, cfg.describe())
+    assert all(int(b.abs().max()) == 0 for b in _FIXED_WORDS.values())
     small = heuristic_config(1, shape.k, shape.n, mode, True, 132)
     large = heuristic_config(4096, shape.k, shape.n, mode, True, 132)
     assert large.params.get("splits_in_program") and not small.params.get("splits_in_program")
+    assert small.params.get("fixed_point") and large.params.get("fixed_point")
     outs = [run_config(c, x, w, torch.empty(300, shape.n, device="cuda"), dot) for c in (small, large)]
     assert torch.equal(*outs)
 
