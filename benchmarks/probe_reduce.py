@@ -62,7 +62,7 @@ def _probe_kernel(
     elif REDUCE == 1:
         finish_split(
             acc, part_ptr, out_ptr, ticket_ptr, pid_m * tl.num_programs(0) + pid_n, pid_s, offs_m,
-            offs_n, mask, stride_ps, stride_pm, stride_om, SPLIT_K, True,
+            offs_n, mask, stride_ps, stride_pm, stride_om, SPLIT_K, True, False,
         )  # fmt: skip
     else:
         q = (acc.to(tl.float64) * (2.0**36)).to(tl.int64)

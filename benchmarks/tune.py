@@ -175,27 +175,27 @@ def tune_shape(shape, mode: str, ms) -> tuple[list[dict], dict[int, float]]:
 
 
 #: K structures a batch-invariant config may fix: (k_per_split, block_k); promotion follows the mode.
-#: The split partials are summed in fixed point (exact, order-free), so short splits are cheap:
-#: 256 gives the most programs at small M (28 splits on K=7168, within the 31 the sum counts).
-BI_K_STRUCTURES = [(256, 128)]
-#: (block_m, block_n, num_warps, num_stages, splits_in_program, block_k or None = the structure's):
-#: unrolled small tiles (one load and one MMA chain per split with block_k 256), pipelined large
-#: tiles, and large tiles that sum their splits in one program. A tile whose BLOCK_K differs from
-#: the structure's is admitted only if bitwise equal to the reference (one MMA chain per split).
+#: The split partials are summed in fixed point (exact, order-free), so short splits are cheap at
+#: small M: 256 gives the most programs (28 splits on K=7168, within the 31 the sum counts), 512
+#: half the conversions and atomics at mid and large M.
+BI_K_STRUCTURES = [(256, 128), (512, 128)]
+#: (block_m, block_n, num_warps, num_stages, form, block_k or None = the structure's); form:
+#: "atomic" (one atomic per logit and split), "ticket" (integer partials, the tile's last program
+#: adds them: fewer atomics at mid M), "program" (one program runs every split: large M; 8 warps
+#: keep the 64-bit sums of 128-wide tiles in registers). A tile whose BLOCK_K differs from the
+#: structure's is admitted only if bitwise equal to the reference (one MMA chain per split).
 BI_TILES = [
-    (16, 16, 4, 1, False, None),
-    (16, 16, 4, 1, False, 256),
-    (16, 32, 4, 1, False, 256),
-    (32, 32, 4, 1, False, 256),
-    (64, 32, 4, 1, False, None),
-    (64, 64, 4, 1, False, None),
-    (64, 64, 4, 3, False, None),
-    (128, 64, 4, 3, False, None),
-    (64, 128, 4, 3, True, None),
-    (128, 64, 4, 3, True, None),
-    (128, 128, 8, 3, True, None),
-    (64, 64, 4, 3, True, None),
-    (64, 32, 4, 3, True, None),
+    (16, 16, 4, 1, "atomic", None),
+    (16, 16, 4, 1, "atomic", 256),
+    (16, 32, 4, 1, "atomic", 256),
+    (32, 32, 4, 1, "atomic", 256),
+    (64, 32, 4, 1, "ticket", None),
+    (64, 64, 4, 3, "ticket", None),
+    (128, 64, 4, 3, "ticket", None),
+    (64, 128, 4, 3, "program", None),
+    (128, 64, 8, 3, "program", None),
+    (64, 128, 8, 3, "program", None),
+    (64, 64, 4, 3, "program", None),
 ]
 BI_M = (1, 16, 64, 256, 512, 1024, 2048, 4096, 16384)
 
@@ -210,7 +210,7 @@ def _bi_fits(cfg: KernelConfig, m: int) -> bool:
 
 
 def _bi_config(kps: int, block_k: int, tiles: tuple, mode: str) -> KernelConfig:
-    block_m, block_n, warps, stages, in_program, tile_block_k = tiles
+    block_m, block_n, warps, stages, form, tile_block_k = tiles
     return splitk_config(
         block_m,
         block_n,
@@ -219,8 +219,9 @@ def _bi_config(kps: int, block_k: int, tiles: tuple, mode: str) -> KernelConfig:
         mode,
         warps,
         num_stages=stages,
-        splits_in_program=in_program,
+        splits_in_program=form == "program",
         fixed_point=True,
+        fixed_ticket=form == "ticket",
     )
 
 

@@ -32,6 +32,7 @@ PARAM_KEYS = (
     "num_stages",
     "splits_in_program",
     "fixed_point",
+    "fixed_ticket",
 )
 
 
@@ -49,7 +50,7 @@ class KernelConfig:
         if self.params.get("splits_in_program"):
             inner += ",splits_in_program"
         if self.params.get("fixed_point"):
-            inner += ",fixed_point"
+            inner += ",fixed_point" + ("(ticket)" if self.params.get("fixed_ticket") else "")
         return f"triton {self.kernel}({inner})"
 
     def __hash__(self) -> int:
@@ -85,10 +86,12 @@ def splitk_config(
     num_stages: int = 1,
     splits_in_program: bool = False,
     fixed_point: bool = False,
+    fixed_ticket: bool = False,
 ) -> KernelConfig:
     """A split-K config; the fp32 mode uses BLOCK_K <= 64 and 128-long promoted MMA chains.
     ``num_stages`` 1 unrolls each split's K loop, more software-pipelines it (same sums).
-    ``fixed_point``: the split partials are summed exactly (the batch-invariant configs)."""
+    ``fixed_point``: the split partials are summed exactly (the batch-invariant configs), by one
+    atomic per logit or (``fixed_ticket``) by the last program of a tile (the same integers)."""
     fp32 = mode == "fp32"
     if fp32:
         block_k = min(block_k, 64)
@@ -105,6 +108,8 @@ def splitk_config(
         params["splits_in_program"] = True
     if fixed_point:
         params["fixed_point"] = True
+    if fixed_point and fixed_ticket and not splits_in_program:
+        params["fixed_ticket"] = True
     return KernelConfig("splitk", params)
 
 

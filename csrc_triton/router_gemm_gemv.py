@@ -77,6 +77,7 @@ def _gemv_kernel(
     finish_split(
         logits, part_ptr, out_ptr, ticket_ptr, pid_n * tl.num_programs(0) + pid_m, pid_s,
         offs_m, offs_n, mask_m[:, None] & mask_n[None, :], stride_ps, stride_pm, stride_om, SPLIT_K, TICKET,
+        False,  # FIXED_POINT: the GEMV's splits are added in split order
     )  # fmt: skip
 
 

@@ -96,26 +96,38 @@ def finish_split(
     stride_om,
     SPLIT_K: tl.constexpr,
     TICKET: tl.constexpr,
+    FIXED_POINT: tl.constexpr,
 ):
-    """Store split ``pid_s``'s fp32 tile ``acc``; with TICKET the last split of the tile to finish
-    adds all partials in split order 0..S-1 and writes ``out`` (shared by the split-K kernels)."""
+    """Store split ``pid_s``'s fp32 tile ``acc`` (FIXED_POINT: its fixed-point increment); with
+    TICKET the last split of the tile to finish adds all partials in split order 0..S-1 (or their
+    integers, exactly) and writes ``out`` (shared by the split-K kernels)."""
     tile = offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
-    if SPLIT_K == 1:
-        o = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    o = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if SPLIT_K == 1 and not FIXED_POINT:
         tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(part_ptr + pid_s * stride_ps + tile, acc, mask=mask)
+        if FIXED_POINT:
+            tl.store(part_ptr + pid_s * stride_ps + tile, fixed_increment(acc), mask=mask)
+        else:
+            tl.store(part_ptr + pid_s * stride_ps + tile, acc, mask=mask)
         if TICKET:
             tl.debug_barrier()  # every thread's partial is stored before the ticket is taken
             ticket = tl.atomic_add(ticket_ptr + ticket_idx, 1, sem="acq_rel", scope="gpu")
             if ticket == SPLIT_K - 1:
-                total = tl.zeros(acc.shape, dtype=tl.float32)
-                for s in tl.static_range(SPLIT_K):  # fixed order: split 0, 1, ..., S-1
-                    # .cg: read from L2, never from a stale L1 line of an earlier call
-                    total += tl.load(
-                        part_ptr + s * stride_ps + tile, mask=mask, other=0.0, cache_modifier=".cg"
-                    )
-                o = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+                if FIXED_POINT:
+                    words = tl.zeros(acc.shape, dtype=tl.int64)
+                    for s in tl.static_range(SPLIT_K):
+                        words += tl.load(
+                            part_ptr + s * stride_ps + tile, mask=mask, other=0, cache_modifier=".cg"
+                        )
+                    total = fixed_to_float(words, SPLIT_K)
+                else:
+                    total = tl.zeros(acc.shape, dtype=tl.float32)
+                    for s in tl.static_range(SPLIT_K):  # fixed order: split 0, 1, ..., S-1
+                        # .cg: read from L2, never from a stale L1 line of an earlier call
+                        total += tl.load(
+                            part_ptr + s * stride_ps + tile, mask=mask, other=0.0, cache_modifier=".cg"
+                        )
                 tl.store(o, total.to(out_ptr.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(ticket_ptr + ticket_idx, 0, sem="relaxed", scope="gpu")
 
@@ -249,7 +261,7 @@ def _splitk_partials_kernel(
                     x_rows, w_cols, mask_m, mask_n, k0, K, acc, BLOCK_K, PROMOTE_CHUNKS, DOT_MODE, UPCAST
                 )
 
-        if FIXED_POINT:
+        if FIXED_POINT and not TICKET:
             mask = mask_m[:, None] & mask_n[None, :]
             finish_split_fixed(acc, fix_ptr, out_ptr, offs_m, offs_n, mask, N, stride_om, SPLIT_K)
         else:
@@ -268,6 +280,7 @@ def _splitk_partials_kernel(
                 stride_om,
                 SPLIT_K,
                 TICKET,
+                FIXED_POINT,
             )
 
 
@@ -324,13 +337,13 @@ def _fixed_words(device: torch.device, numel: int) -> torch.Tensor:
 
 
 def split_workspace(
-    out: torch.Tensor, split_k: int, tiles: int, ticket: bool
+    out: torch.Tensor, split_k: int, tiles: int, ticket: bool, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(fp32 partials [S, M, N] -- or ``out`` itself for one split --, tickets, use_ticket) for a
+    """(partials [S, M, N] -- or ``out`` itself for one fp32 split --, tickets, use_ticket) for a
     launch whose ``tiles`` output tiles are each reduced over ``split_k`` splits."""
     part = out
-    if split_k > 1:
-        part = torch.empty((split_k, *out.shape), dtype=torch.float32, device=out.device)
+    if split_k > 1 or dtype != torch.float32:
+        part = torch.empty((split_k, *out.shape), dtype=dtype, device=out.device)
     use_ticket = ticket and split_k > 1
     return part, (_tickets(out.device, tiles) if use_ticket else part), use_ticket
 
@@ -351,10 +364,13 @@ def splitk_launch(
     num_stages: int = 1,
     splits_in_program: bool = False,
     fixed_point: bool = False,
+    fixed_ticket: bool = False,
 ) -> torch.Tensor:
     """Write ``x @ w.T`` into ``out`` [M, N] (any float dtype). x, w: unit stride along K.
     ``splits_in_program``: one program per tile runs all its splits (large M); same result.
-    ``fixed_point``: the splits are summed exactly in fixed point (batch-invariant path)."""
+    ``fixed_point``: the splits are summed exactly in fixed point (batch-invariant path), with
+    one atomic per logit, or (``fixed_ticket``, mid M: fewer atomics) as integer partials that
+    the last program of a tile adds; all three forms give bitwise the same logits."""
     M, K = x.shape
     N = w.shape[0]
     if M == 0:
@@ -370,9 +386,12 @@ def splitk_launch(
     words = out
     if splits_in_program:
         part, tickets, use_ticket = out, out, False
-    elif fixed_point:
+    elif fixed_point and not fixed_ticket:
         part, tickets, use_ticket = out, out, False
         words = _fixed_words(out.device, M * N)
+    elif fixed_point:
+        part, tickets, use_ticket = split_workspace(out, split_k, grid[0] * grid[2], True, torch.int64)
+        use_ticket = True
     else:
         part, tickets, use_ticket = split_workspace(out, split_k, grid[0] * grid[2], ticket)
     _splitk_partials_kernel[grid](
@@ -387,7 +406,7 @@ def splitk_launch(
         K,
         x.stride(0),
         w.stride(0),
-        part.stride(0) if split_k > 1 and part is not out else 0,
+        part.stride(0) if part is not out else 0,
         part.stride(-2),
         out.stride(0),
         BLOCK_M=block_m,
@@ -405,7 +424,7 @@ def splitk_launch(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if split_k > 1 and not use_ticket and part is not out:
+    if not use_ticket and part is not out:
         reduce_partials(part, out)
     return out
 

@@ -135,9 +135,9 @@ def _fixed_words_left():
 @pytest.mark.parametrize("promote_chunks", [0, 2])
 @pytest.mark.parametrize("k", [300, 512])
 def test_fixed_point_split_sum_is_bitwise_the_same_in_one_program(gen, promote_chunks, k):
-    """The batch-invariant split sum: atomically in memory at small M, in registers of one
-    program at large M; the same integers, so bitwise the same logits, call after call, and
-    every word is left at zero for the next call."""
+    """The batch-invariant split sum: atomically in memory at small M, by the last program of a
+    tile (integer partials, ticket) at mid M, in registers of one program at large M; the same
+    integers, so bitwise the same logits, call after call, and every word is left at zero."""
     x, w = _inputs(gen, 70, k, 40)
     base = {**FIXED.params, "promote_chunks": promote_chunks}
     first = run_config(KernelConfig("splitk", base), x, w, _poisoned(70, 40, torch.float32), DOT_NATIVE)
@@ -146,14 +146,11 @@ def test_fixed_point_split_sum_is_bitwise_the_same_in_one_program(gen, promote_c
     assert set(_fixed_words_left()) == {0}
     for block_m, block_n, stages in ((16, 16, 1), (64, 32, 2), (32, 64, 3)):
         params = {**base, "block_m": block_m, "block_n": block_n, "num_stages": stages}
-        fused = run_config(
-            KernelConfig("splitk", {**params, "splits_in_program": True}),
-            x,
-            w,
-            _poisoned(70, 40, torch.float32),
-            DOT_NATIVE,
-        )
-        assert torch.equal(fused, first), (block_m, block_n, stages)
+        for form in ({"splits_in_program": True}, {"fixed_ticket": True}):
+            out = run_config(
+                KernelConfig("splitk", {**params, **form}), x, w, _poisoned(70, 40, torch.float32), DOT_NATIVE
+            )
+            assert torch.equal(out, first), (block_m, block_n, stages, form)
     assert relative_error(first, reference_logits(x, w)) <= 1e-6
 
 
@@ -190,7 +187,11 @@ def test_fixed_point_poisons_what_it_cannot_hold(gen):
     x[5, 0] = 2e6  # split 0's partial ~ 2e6 * w[n, 0]: past 2^16 for some logits, not others
     split0 = (x[5, :128].double() @ w[:, :128].double().T).abs()
     assert (split0 > 2**16 + 1).any() and (split0 < 2**16 - 1).any()
-    for params in (FIXED.params, {**FIXED.params, "splits_in_program": True, "num_stages": 2}):
+    for params in (
+        FIXED.params,
+        {**FIXED.params, "fixed_ticket": True},
+        {**FIXED.params, "splits_in_program": True, "num_stages": 2},
+    ):
         out = run_config(KernelConfig("splitk", params), x, w, _poisoned(6, 40, torch.float32), DOT_NATIVE)
         assert out[1].isnan().all() and out[4].isnan().all()
         assert torch.equal(out[[0, 2, 3]], clean[[0, 2, 3]])

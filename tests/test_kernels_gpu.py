@@ -175,13 +175,14 @@ def test_splits_in_program_bitwise_equal_ticket_reduction(shape, mode):
         ref = run_config(ref_cfg, x, w, torch.full((300, shape.n), float("nan"), device="cuda"), dot)
         assert _rel(ref, x, w) <= (1e-6 if mode == "fp32" else 1e-5)
         tiles = [(64, 32, 4, 3, True), (64, 128, 4, 3, True), (128, 64, 4, 3, True), (128, 128, 8, 3, True)]
-        if fixed:  # the small-M tiles: one load and one MMA chain per split (16-bit), or pipelined
-            tiles += [(16, 32, 4, 1, False), (64, 64, 4, 3, False)]
+        if fixed:  # small-M tiles (one load and one MMA chain per split), mid-M integer tickets
+            tiles += [(16, 32, 4, 1, False), (64, 64, 4, 3, False), (64, 32, 4, 1, "ticket")]
+            tiles += [(128, 64, 4, 3, "ticket"), (128, 64, 8, 3, True)]
         for block_m, block_n, warps, stages, in_program in tiles:
-            bk = 256 if fixed and not in_program and stages == 1 and mode != "fp32" else block_k
+            bk = 256 if fixed and in_program is False and stages == 1 and mode != "fp32" else block_k
             cfg = splitk_config(
-                block_m, block_n, bk, kps, mode, warps, num_stages=stages, splits_in_program=in_program,
-                fixed_point=fixed,
+                block_m, block_n, bk, kps, mode, warps, num_stages=stages,
+                splits_in_program=in_program is True, fixed_point=fixed, fixed_ticket=in_program == "ticket",
             )  # fmt: skip
             out = run_config(cfg, x, w, torch.full((300, shape.n), float("nan"), device="cuda"), dot)
             assert torch.equal(out, ref), (kps, cfg.describe())
