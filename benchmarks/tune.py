@@ -174,28 +174,38 @@ def tune_shape(shape, mode: str, ms) -> tuple[list[dict], dict[int, float]]:
     return merge_buckets([], best_by_m, ms), {m: best_by_m[m][0] for m in ms}
 
 
-#: K structures a batch-invariant config may fix: (k_per_split, block_k); promotion follows the mode.
-#: The split partials are summed in fixed point (exact, order-free), so short splits are cheap at
-#: small M: 256 gives the most programs (28 splits on K=7168, within the 31 the sum counts), 512
-#: half the conversions and atomics at mid and large M.
-BI_K_STRUCTURES = [(256, 128), (512, 128)]
+#: K structures a batch-invariant config may fix: (k_per_split, block_k, fixed_point); promotion
+#: follows the mode. Split sums in split order (float) or exact in fixed point: the fixed-point
+#: sum takes one atomic round trip instead of a ticket's three (faster at 1-16 tokens) but costs
+#: 64-bit conversions per split (slower from 256 tokens on the H200). The structure with the
+#: smallest worst ratio to the fastest non-invariant path over BI_M is kept.
+BI_K_STRUCTURES = [(512, 128, False), (1024, 128, False), (256, 128, True), (512, 128, True)]
 #: (block_m, block_n, num_warps, num_stages, form, block_k or None = the structure's); form:
-#: "atomic" (one atomic per logit and split), "ticket" (integer partials, the tile's last program
-#: adds them: fewer atomics at mid M), "program" (one program runs every split: large M; 8 warps
-#: keep the 64-bit sums of 128-wide tiles in registers). A tile whose BLOCK_K differs from the
-#: structure's is admitted only if bitwise equal to the reference (one MMA chain per split).
+#: "split" (a program per split: ticket, or one fixed-point atomic per logit and split),
+#: "ticket" (fixed point only: integer partials, the tile's last program adds them: fewer atomics
+#: at mid M), "program" (one program runs every split: large M). A tile whose BLOCK_K differs
+#: from the structure's is admitted only if bitwise equal to its reference (the first tile).
 BI_TILES = [
-    (16, 16, 4, 1, "atomic", None),
-    (16, 16, 4, 1, "atomic", 256),
-    (16, 32, 4, 1, "atomic", 256),
-    (32, 32, 4, 1, "atomic", 256),
+    (16, 16, 4, 1, "split", None),
+    (16, 16, 4, 1, "split", 256),
+    (16, 32, 4, 1, "split", 256),
+    (32, 32, 4, 1, "split", 256),
+    (64, 32, 4, 1, "split", None),
+    (64, 64, 4, 1, "split", None),
+    (128, 64, 8, 1, "split", None),
     (64, 32, 4, 1, "ticket", None),
-    (64, 64, 4, 3, "ticket", None),
+    (64, 64, 4, 3, "split", None),
+    (128, 64, 4, 3, "split", None),
+    (64, 128, 4, 3, "split", None),
+    (128, 128, 8, 3, "split", None),
     (128, 64, 4, 3, "ticket", None),
     (64, 128, 4, 3, "program", None),
+    (128, 64, 4, 3, "program", None),
     (128, 64, 8, 3, "program", None),
     (64, 128, 8, 3, "program", None),
+    (128, 128, 8, 3, "program", None),
     (64, 64, 4, 3, "program", None),
+    (64, 32, 4, 3, "program", None),
 ]
 BI_M = (1, 16, 64, 256, 512, 1024, 2048, 4096, 16384)
 
@@ -209,8 +219,12 @@ def _bi_fits(cfg: KernelConfig, m: int) -> bool:
     return m <= 256 if p["num_stages"] == 1 else 64 <= m <= 4096
 
 
-def _bi_config(kps: int, block_k: int, tiles: tuple, mode: str) -> KernelConfig:
+def _bi_config(structure: tuple, tiles: tuple, mode: str) -> KernelConfig | None:
+    """The config of ``tiles`` under a K structure, or None where the form does not apply."""
+    kps, block_k, fixed = structure
     block_m, block_n, warps, stages, form, tile_block_k = tiles
+    if form == "ticket" and not fixed:
+        return None  # the float sum's cross-program form is the ticket already
     return splitk_config(
         block_m,
         block_n,
@@ -220,7 +234,7 @@ def _bi_config(kps: int, block_k: int, tiles: tuple, mode: str) -> KernelConfig:
         warps,
         num_stages=stages,
         splits_in_program=form == "program",
-        fixed_point=True,
+        fixed_point=fixed,
         fixed_ticket=form == "ticket",
     )
 
@@ -249,19 +263,16 @@ def tune_batch_invariant(shape, mode: str, old: list[dict] | None = None, ms=BI_
     probe_w = inputs[ms[0]][1][0]
     dot_mode = dot_mode_for(probe_x.dtype, probe_w.dtype)
     choices = []
-    structures = {(kps, min(bk, 64) if mode == "fp32" else bk) for kps, bk in BI_K_STRUCTURES}
-    if old:  # keep the table's K split; the structure's BLOCK_K is the reference tile's
-        kept = old[0]["k_per_split"]
-        structures = {(kps, bk) for kps, bk in structures if kps == kept} or {
-            (kept, 64 if mode == "fp32" else 128)
-        }
-    for kps, block_k in sorted(structures):
-        ref_cfg = _bi_config(kps, block_k, BI_TILES[0], mode)
+    structures = {(kps, min(bk, 64) if mode == "fp32" else bk, fixed) for kps, bk, fixed in BI_K_STRUCTURES}
+    if old:  # keep the table's K split and kind of sum; BLOCK_K is the reference tile's
+        structures = {(old[0]["k_per_split"], 64 if mode == "fp32" else 128, bool(old[0].get("fixed_point")))}
+    for structure in sorted(structures):
+        ref_cfg = _bi_config(structure, BI_TILES[0], mode)
         ref = run_config(ref_cfg, probe_x, probe_w, torch.empty(300, shape.n, device="cuda"), dot_mode)
         admitted = []
         for tiles in BI_TILES:
-            cfg = _bi_config(kps, block_k, tiles, mode)
-            if cfg in admitted or not any(_bi_fits(cfg, m) for m in ms):
+            cfg = _bi_config(structure, tiles, mode)
+            if cfg is None or cfg in admitted or not any(_bi_fits(cfg, m) for m in ms):
                 continue
             try:
                 out = run_config(cfg, probe_x, probe_w, torch.empty(300, shape.n, device="cuda"), dot_mode)
@@ -278,10 +289,11 @@ def tune_batch_invariant(shape, mode: str, old: list[dict] | None = None, ms=BI_
             timed = sorted(((time_config(c, *inputs[m], mode), c) for c in fits), key=lambda r: r[0])
             per_m[m] = timed[0]
         worst = max(per_m[m][0] / best[m] for m in ms)
-        choices.append((worst, kps, block_k, per_m))
-    worst, kps, block_k, per_m = min(choices, key=lambda c: c[0])
+        choices.append((worst, structure, per_m))
+    worst, (kps, _, fixed), per_m = min(choices, key=lambda c: c[0])
     print(
-        f"  {shape.name} {mode} batch-invariant: K split {kps}, worst ratio {worst:.2f} vs fastest "
+        f"  {shape.name} {mode} batch-invariant: K split {kps}, {'fixed-point' if fixed else 'split-order'} "
+        f"sum, worst ratio {worst:.2f} vs fastest "
         + " ".join(f"M={m}:{t:.2f}/{best[m]:.2f}" for m, (t, _) in per_m.items()),
         flush=True,
     )

@@ -122,8 +122,6 @@ def pipelined_splitk_config(
 
 #: Batch-invariant heuristic: above this M, a tile's splits run in one program (same sums).
 BI_SPLITS_IN_PROGRAM_FROM = 256
-#: The fixed-point split sum counts arrivals in 5 bits (``router_gemm_splitk.FIXED_MAX_SPLITS``).
-BI_MAX_SPLITS = 31
 
 
 def heuristic_config(
@@ -133,10 +131,11 @@ def heuristic_config(
     Up to 4 tokens: the FMA GEMV, one K split. Up to 64: unrolled split-K with >= 2 programs per
     SM. Above 64 the 16-bit modes go to cuBLAS where it exists (on the H200 our kernels never beat
     it there); the fp32 mode has no cuBLAS equivalent and takes pipelined split-K / tiled kernels.
-    Batch-invariant: one K structure and one tile for every M, the split partials summed exactly in
-    fixed point (``fixed_point``: one atomic round trip, order-free); above 256 tokens the same
-    splits run inside one program per tile (``splits_in_program``: bitwise the same sums, no
-    partials in memory), software-pipelined."""
+    Batch-invariant: one K structure and one tile for every M; above 256 tokens the same splits
+    run inside one program per tile (``splits_in_program``: bitwise the same sums, no partials in
+    memory), software-pipelined. The split partials are added in split order: the exact
+    fixed-point sum (``fixed_point``) is faster at 1-16 tokens but measured 1.3-2.5x slower from
+    256 tokens on the H200 (docs/benchmarks.md), so only a tuned table selects it."""
     fp32 = mode == "fp32"
     if not batch_invariant and m <= 4:
         block_m = min(2, 1 << (m - 1).bit_length())
@@ -150,18 +149,9 @@ def heuristic_config(
         n_blocks = -(-n // block_n)
         splits = max(1, min(k // 256, -(-2 * sm_count // n_blocks)))
         k_per_split = max(256, -(-k // splits + 255) // 256 * 256)
-        if batch_invariant:
-            k_per_split = max(k_per_split, -(-k // BI_MAX_SPLITS + 255) // 256 * 256)
-            in_program = m > BI_SPLITS_IN_PROGRAM_FROM
+        if batch_invariant and m > BI_SPLITS_IN_PROGRAM_FROM:
             return splitk_config(
-                block_m,
-                block_n,
-                128,
-                k_per_split,
-                mode,
-                num_stages=3 if in_program else 1,
-                splits_in_program=in_program,
-                fixed_point=True,
+                block_m, block_n, 128, k_per_split, mode, num_stages=3, splits_in_program=True
             )
         return splitk_config(block_m, block_n, 128, k_per_split, mode)
     if m <= 512:

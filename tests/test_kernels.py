@@ -238,6 +238,37 @@ def test_batch_invariant_needle_through_dispatch(gen, mode):
             assert torch.equal(out[pos : pos + 1], alone), (m, pos)
 
 
+def test_batch_invariant_needle_through_a_fixed_point_table(gen, monkeypatch):
+    """A tuned table may fix the exact fixed-point split sum: one atomic per logit at small M,
+    integer partials + ticket at mid M, one program per tile at large M. Through the dispatch,
+    a needle row equals its M=1 logits bitwise at every M, and the log line says so."""
+    import csrc_triton.configs as c
+    import vllm_router_ext.ops.dispatch as d
+
+    k, n = 512, 48
+    base = dict(kernel="splitk", block_k=32, k_per_split=128, promote_chunks=0, fixed_point=True, num_warps=4)
+    buckets = [
+        {"max_m": 2, **base, "block_m": 16, "block_n": 16, "num_stages": 1},
+        {"max_m": 64, **base, "block_m": 32, "block_n": 16, "num_stages": 2, "fixed_ticket": True},
+        {"max_m": None, **base, "block_m": 64, "block_n": 32, "num_stages": 2, "splits_in_program": True},
+    ]
+    table = {"shapes": {f"{k}x{n}": {"bf16-fp32out/batch_invariant": buckets}}}
+    monkeypatch.setattr(c, "load_table", lambda name: table)
+    needle, w = _inputs(gen, 1, k, n)
+    alone = router_gemm_cuda(needle, w, RouterPrecision.BF16_FP32OUT, batch_invariant=True)
+    assert relative_error(alone, reference_logits(needle, w)) <= 1e-6
+    for m in (1, 2, 3, 64, 65, 130):
+        x, _ = _inputs(gen, m, k, n)
+        x[m - 1] = needle[0]
+        out = router_gemm_cuda(x, w, RouterPrecision.BF16_FP32OUT, batch_invariant=True)
+        assert torch.equal(out[m - 1 :], alone), m
+    monkeypatch.setattr(d, "_device_info", lambda index: ("GPU", 132))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, True, torch.bfloat16, k, n)
+    assert "K split 128" in text and "splits summed exactly in fixed point" in text
+    assert "splits summed in one program from M=65 " in text
+
+
 def test_heuristic_configs_are_well_formed():
     for m in (1, 4, 5, 16, 64, 65, 4096, 16384):
         for bi in (False, True):
@@ -310,6 +341,7 @@ def test_startup_description_of_the_cuda_dispatch(monkeypatch):
     assert "fp32 weight split into 3 bf16 MMAs" in text
     text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, True, torch.bfloat16, 7168, 256)
     assert text.startswith("batch-invariant triton split-K, K split 512 (BLOCK_K 128) fixed for every M")
+    assert "splits added in order" in text
     assert "; splits summed in one program from M=" in text
     text = d.describe_cuda_dispatch(RouterPrecision.FP32, True, torch.bfloat16, 1000, 10)
     assert "splits summed in one program from M=257 " in text and "heuristic" in text

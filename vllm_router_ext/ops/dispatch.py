@@ -5,9 +5,9 @@
 - ``fp32``: the same kernels with promoted fp32 accumulation; an fp32 weight is split exactly
   into three bf16 terms; fp32 activations use IEEE fp32 dots. Never TF32.
 - batch-invariant: the split-K kernel with one K structure for every M (no switch of kernel, dtype
-  or K split by M), the split partials summed exactly in fixed point; only tiles and where that
-  sum happens (atomically in memory at small M, in registers of one program at large M) vary,
-  among configs verified bitwise equal.
+  or K split by M); only tiles and where the split sum happens (a ticket at small M, in registers
+  of one program at large M) vary, among configs verified bitwise equal. A tuned table may instead
+  fix the exact fixed-point split sum (one atomic per logit at small M): same rules.
 """
 
 from __future__ import annotations
@@ -140,7 +140,11 @@ def describe_cuda_dispatch(
         kps, block_k = cfg.params.get("k_per_split"), cfg.params.get("block_k")
         fused = [m for m, c in buckets if c.params.get("splits_in_program")]
         where = f"; splits summed in one program from M={fused[0]}" if fused else ""
-        how = "exact fixed-point split sum" if cfg.params.get("fixed_point") else "split sum in split order"
+        how = (
+            "splits summed exactly in fixed point"
+            if cfg.params.get("fixed_point")
+            else "splits added in order"
+        )
         return (
             f"batch-invariant triton split-K, K split {kps} (BLOCK_K {block_k}) fixed for every M, "
             f"{how}{where} ({dot}; {cfg.source})"
