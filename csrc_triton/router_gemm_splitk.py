@@ -3,7 +3,8 @@
 Invariant: every output element is reduced over K in one order fixed by (K_PER_SPLIT, BLOCK_K,
 PROMOTE_CHUNKS) alone: split s covers K[s*K_PER_SPLIT, (s+1)*K_PER_SPLIT) in BLOCK_K chunks, each
 split's fp32 partial is written to a workspace, and the partials are added in split order
-0, 1, ..., S-1. Rows never interact, so with one K split for every M the result of a row does not
+0, 1, ..., S-1 (with FIXED_POINT: summed exactly as integers, so in no order at all). Rows never
+interact, so with one K split for every M the result of a row does not
 depend on the batch it is in (the batch-invariant path relies on exactly that).
 
 Why split-K: at decode sizes the GEMM is bound by reading the [N, K] weight once. Splitting N *and*
@@ -19,15 +20,18 @@ its tile; the one that draws S-1 adds all S partials in split order and resets t
 for the next call. The ticket is the only atomic; the floating-point order never depends on which
 program came last. ``ticket=False`` keeps the two-launch form (partials, then a reduce kernel).
 
-Fixed-point split sum (``fixed_point``, the batch-invariant path): instead of adding the S fp32
-partials in split order, each partial is truncated to a multiple of 2^-32 and the integers are added
-exactly, then rounded to fp32 once. Integer addition does not depend on order, so the S split
-programs can add their partials straight into one 64-bit word per logit with a relaxed atomic add
-(one memory round trip, no fence, no second read), and the add that completes the count writes the
-logit: at 1-16 tokens this saves ~1.5 µs of the ~2 µs the ticket costs. One program that runs all
-splits (``splits_in_program``) adds the same integers in registers: bitwise the same logits. The
-word holds a 5-bit arrival count (bits 59-63, so S <= 31) and the biased sum of the partials; a
-partial outside +-2^16 (or inf / NaN) adds a poison value instead, and its logit comes out NaN.
+Fixed-point split sum (``fixed_point``: a batch-invariant K structure a tuned table may select;
+the H200 table does not): instead of adding the S fp32 partials in split order, each partial is
+truncated to a multiple of 2^-32 and the integers are added exactly, then rounded to fp32 once.
+Integer addition does not depend on order, so the S split programs can add their partials straight
+into one 64-bit word per logit with a relaxed atomic add (one memory round trip, no fence, no
+second read), and the add that completes the count writes the logit: on the H200 at M=1 that costs
+0.3-0.7 µs where the ticket costs 1.4-3 µs, but the per-split 64-bit conversions make large M
+slower (docs/benchmarks.md). One program that runs all splits (``splits_in_program``) adds the
+same integers in registers, and ``fixed_ticket`` stores them as int64 partials for the ticket:
+bitwise the same logits. The word holds a 5-bit arrival count (bits 59-63, so S <= 31) and the
+biased sum of the partials; a partial outside +-2^16 (or inf / NaN) adds a poison value instead,
+and its logit comes out NaN.
 Truncation costs < 2^-32 per split: <= 28 * 2.3e-10 absolute on DeepSeek-V3's 28 splits of 256.
 """
 
