@@ -168,6 +168,15 @@ def section_fp32mid(results):
         run_case(f"fp32mid DeepSeek-V3 M={m}", cands, xs, ws, 1e-6, refs, results)
 
 
+def bi_refs(mode: str, xs, ws) -> dict[str, float]:
+    """cuBLAS, the fastest dispatch and the current batch-invariant dispatch, timed alike."""
+    return {
+        "cuBLAS": time_fn(lambda x, w: torch.mm(x, w.T, out_dtype=torch.float32), xs, ws),
+        "fastest": time_fn(lambda x, w: router_gemm(x, w, mode), xs, ws),
+        "BI now": time_fn(lambda x, w: router_gemm(x, w, mode, batch_invariant=True), xs, ws),
+    }
+
+
 def section_bi(results):
     s = SHAPE["DeepSeek-V3"]
     probe_x = torch.randn(300, s.k, device="cuda").to(torch.bfloat16)
@@ -191,13 +200,7 @@ def section_bi(results):
                     )
             for m in (1, 256, 4096, 16384):
                 xs, ws = make_inputs(m, s.k, s.n, rotation_copies(m, s.k, s.n), seed=m)
-                refs = {
-                    "cuBLAS": time_fn(lambda x, w: torch.mm(x, w.T, out_dtype=torch.float32), xs, ws),
-                    "fastest": time_fn(lambda x, w, mode=mode: router_gemm(x, w, mode), xs, ws),
-                    "BI now": time_fn(
-                        lambda x, w, mode=mode: router_gemm(x, w, mode, batch_invariant=True), xs, ws
-                    ),
-                }
+                refs = bi_refs(mode, xs, ws)
                 run_case(f"bi {mode} kps={kps} M={m}", cands, xs, ws, 1e-5, refs, results, top=3)
 
 
@@ -228,13 +231,7 @@ def section_bismall(results, names=("DeepSeek-V3", "Kimi-K2"), ms=(1, 4, 16, 64,
                             print(f"  bismall {name} {mode}: {c.describe()} differs bitwise", flush=True)
             for m in ms:
                 xs, ws = make_inputs(m, s.k, s.n, rotation_copies(m, s.k, s.n), seed=m)
-                refs = {
-                    "cuBLAS": time_fn(lambda x, w: torch.mm(x, w.T, out_dtype=torch.float32), xs, ws),
-                    "fastest": time_fn(lambda x, w, mode=mode: router_gemm(x, w, mode), xs, ws),
-                    "BI now": time_fn(
-                        lambda x, w, mode=mode: router_gemm(x, w, mode, batch_invariant=True), xs, ws
-                    ),
-                }
+                refs = bi_refs(mode, xs, ws)
                 run_case(f"bismall {name} {mode} M={m}", cands, xs, ws, 1e-5, refs, results, top=4)
 
 

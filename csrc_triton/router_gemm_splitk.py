@@ -311,33 +311,30 @@ def _splitk_reduce_kernel(
 
 _REDUCE_BLOCK = 1024
 _TICKETS: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _tickets(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 tickets, one per output tile, per (device, stream): calls that may run
-    concurrently on different streams never share them. Each call leaves them at zero."""
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (device.index or 0, stream)
-    buf = _TICKETS.get(key)
-    if buf is None or buf.numel() < tiles:
-        buf = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
-        _TICKETS[key] = buf
-    return buf
-
-
 _FIXED_WORDS: dict[tuple[int, int], torch.Tensor] = {}
 
 
-def _fixed_words(device: torch.device, numel: int) -> torch.Tensor:
-    """Zeroed int64 fixed-point words, one per logit, per (device, stream); each call leaves
-    them at zero. Sized for 2^17 logits up front, so CUDA-graph captures rarely allocate."""
+def _zeroed_per_stream(cache: dict, device: torch.device, numel: int, dtype: torch.dtype, least: int):
+    """A zeroed buffer per (device, stream): calls that may run concurrently on different streams
+    never share it, and every call leaves it at zero. Sized generously up front, so CUDA-graph
+    captures rarely allocate."""
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     key = (device.index or 0, stream)
-    buf = _FIXED_WORDS.get(key)
+    buf = cache.get(key)
     if buf is None or buf.numel() < numel:
-        buf = torch.zeros(max(numel, 1 << 17), dtype=torch.int64, device=device)
-        _FIXED_WORDS[key] = buf
+        buf = torch.zeros(max(numel, least), dtype=dtype, device=device)
+        cache[key] = buf
     return buf
+
+
+def _tickets(device: torch.device, tiles: int) -> torch.Tensor:
+    """int32 tickets, one per output tile."""
+    return _zeroed_per_stream(_TICKETS, device, tiles, torch.int32, 1 << 16)
+
+
+def _fixed_words(device: torch.device, numel: int) -> torch.Tensor:
+    """int64 fixed-point words, one per logit."""
+    return _zeroed_per_stream(_FIXED_WORDS, device, numel, torch.int64, 1 << 17)
 
 
 def split_workspace(
