@@ -46,3 +46,32 @@ def test_bench_and_tune_help():
     ):
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0 and "--out" in p.stdout, p.stderr
+
+
+def test_tuner_batch_invariant_candidates_are_well_formed():
+    """Every K structure the tuner compares: its reference is the first tile, each candidate holds
+    whole promotions per split, every tuned M has a candidate, a fixed-point structure fits each
+    shape's K in the 31 splits its count holds, and the float sum gets no integer-ticket form."""
+    import importlib.util
+
+    from csrc_triton.router_gemm_splitk import FIXED_MAX_SPLITS
+    from vllm_router_ext.benchmarking import SHAPES
+
+    spec = importlib.util.spec_from_file_location("tune", REPO / "benchmarks/tune.py")
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    for mode in ("bf16-fp32out", "fp32"):
+        for kps, block_k, fixed in tune.BI_K_STRUCTURES:
+            structure = (kps, min(block_k, 64) if mode == "fp32" else block_k, fixed)
+            cfgs = [c for t in tune.BI_TILES if (c := tune._bi_config(structure, t, mode)) is not None]
+            ref = tune._bi_config(structure, tune.BI_TILES[0], mode)
+            assert cfgs[0] == ref and ref.params["num_stages"] == 1
+            for c in cfgs:
+                p = c.params
+                assert p["k_per_split"] == kps and bool(p.get("fixed_point")) == fixed
+                assert p["k_per_split"] % (p["block_k"] * (p["promote_chunks"] or 1)) == 0, c
+                assert fixed or not p.get("fixed_ticket"), c
+            for m in tune.BI_M:
+                assert any(tune._bi_fits(c, m) for c in cfgs), (structure, m)
+            if fixed:
+                assert all(-(-s.k // kps) <= FIXED_MAX_SPLITS for s in SHAPES)
