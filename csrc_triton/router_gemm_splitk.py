@@ -338,13 +338,13 @@ def _fixed_words(device: torch.device, numel: int) -> torch.Tensor:
 
 
 def split_workspace(
-    out: torch.Tensor, split_k: int, tiles: int, ticket: bool, dtype: torch.dtype = torch.float32
+    out: torch.Tensor, split_k: int, tiles: int, ticket: bool
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(partials [S, M, N] -- or ``out`` itself for one fp32 split --, tickets, use_ticket) for a
+    """(fp32 partials [S, M, N] -- or ``out`` itself for one split --, tickets, use_ticket) for a
     launch whose ``tiles`` output tiles are each reduced over ``split_k`` splits."""
     part = out
-    if split_k > 1 or dtype != torch.float32:
-        part = torch.empty((split_k, *out.shape), dtype=dtype, device=out.device)
+    if split_k > 1:
+        part = torch.empty((split_k, *out.shape), dtype=torch.float32, device=out.device)
     use_ticket = ticket and split_k > 1
     return part, (_tickets(out.device, tiles) if use_ticket else part), use_ticket
 
@@ -390,9 +390,9 @@ def splitk_launch(
     elif fixed_point and not fixed_ticket:
         part, tickets, use_ticket = out, out, False
         words = _fixed_words(out.device, M * N)
-    elif fixed_point:
-        part, tickets, use_ticket = split_workspace(out, split_k, grid[0] * grid[2], True, torch.int64)
-        use_ticket = True
+    elif fixed_point:  # int64 partials and a ticket, even for one split (its word is converted)
+        part = torch.empty((split_k, M, N), dtype=torch.int64, device=out.device)
+        tickets, use_ticket = _tickets(out.device, grid[0] * grid[2]), True
     else:
         part, tickets, use_ticket = split_workspace(out, split_k, grid[0] * grid[2], ticket)
     _splitk_partials_kernel[grid](

@@ -172,9 +172,14 @@ def test_fixed_point_sum_is_the_rounded_sum_of_truncated_partials(gen):
     ]
     ints = sum(torch.trunc(p.double() * 2.0**32).to(torch.int64) for p in parts)
     expected = ints.to(torch.float32) * 2.0**-32
-    cfg = KernelConfig("splitk", {**one_split, "fixed_point": True})
-    got = run_config(cfg, x, w, _poisoned(5, 24, torch.float32), DOT_NATIVE)
-    assert torch.equal(got, expected)
+    for form in ({}, {"fixed_ticket": True}, {"splits_in_program": True, "num_stages": 2}):
+        cfg = KernelConfig("splitk", {**one_split, "fixed_point": True, **form})
+        got = run_config(cfg, x, w, _poisoned(5, 24, torch.float32), DOT_NATIVE)
+        assert torch.equal(got, expected), form
+        # One split (K <= k_per_split): that partial alone, truncated, in every form too.
+        first = run_config(cfg, x[:, :128], w[:, :128], _poisoned(5, 24, torch.float32), DOT_NATIVE)
+        assert torch.equal(first, torch.trunc(parts[0].double() * 2.0**32).float() * 2.0**-32), form
+    assert set(_fixed_words_left()) == {0}
 
 
 def test_fixed_point_poisons_what_it_cannot_hold(gen):
