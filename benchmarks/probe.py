@@ -177,6 +177,25 @@ def bi_refs(mode: str, xs, ws) -> dict[str, float]:
     }
 
 
+def bitwise_admitted(ref_cfg, cands, probe_x, probe_w, label: str) -> list[KernelConfig]:
+    """The candidates whose logits on the probe batch equal ``ref_cfg``'s bitwise."""
+    dm = dot_mode_for(probe_x.dtype, probe_w.dtype)
+    n = probe_w.shape[0]
+    ref = run_config(ref_cfg, probe_x, probe_w, torch.empty(probe_x.shape[0], n, device="cuda"), dm)
+    admitted = []
+    for c in cands:
+        try:
+            out = run_config(c, probe_x, probe_w, torch.empty(probe_x.shape[0], n, device="cuda"), dm)
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+            print(f"  skip {c.describe()}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+            continue
+        if torch.equal(out, ref):
+            admitted.append(c)
+        else:
+            print(f"  {label}: {c.describe()} differs bitwise from the reference", flush=True)
+    return admitted
+
+
 def section_bi(results):
     s = SHAPE["DeepSeek-V3"]
     probe_x = torch.randn(300, s.k, device="cuda").to(torch.bfloat16)
@@ -184,20 +203,12 @@ def section_bi(results):
     for mode in ("bf16-fp32out", "fp32"):
         for kps in (1024, 2048):
             ref_cfg = splitk_config(16, 16, 128 if mode != "fp32" else 64, kps, mode, 4)
-            dm = dot_mode_for(probe_x.dtype, probe_w.dtype)
-            ref = run_config(ref_cfg, probe_x, probe_w, torch.empty(300, s.n, device="cuda"), dm)
-            cands = []
-            for c in [ref_cfg] + big_splitk(mode, (kps,)) + big_splitk(mode, (kps,), stages=1)[:2]:
-                if c.params["block_k"] != ref_cfg.params["block_k"]:
-                    continue
-                out = run_config(c, probe_x, probe_w, torch.empty(300, s.n, device="cuda"), dm)
-                if torch.equal(out, ref):
-                    cands.append(c)
-                else:
-                    print(
-                        f"  BI {mode} kps={kps}: {c.describe()} differs bitwise from the reference",
-                        flush=True,
-                    )
+            cands = [
+                c
+                for c in [ref_cfg] + big_splitk(mode, (kps,)) + big_splitk(mode, (kps,), stages=1)[:2]
+                if c.params["block_k"] == ref_cfg.params["block_k"]
+            ]
+            cands = bitwise_admitted(ref_cfg, cands, probe_x, probe_w, f"BI {mode} kps={kps}")
             for m in (1, 256, 4096, 16384):
                 xs, ws = make_inputs(m, s.k, s.n, rotation_copies(m, s.k, s.n), seed=m)
                 refs = bi_refs(mode, xs, ws)
@@ -209,30 +220,22 @@ def section_bismall(results, names=("DeepSeek-V3", "Kimi-K2"), ms=(1, 4, 16, 64,
         s = SHAPE[name]
         probe_x = torch.randn(300, s.k, device="cuda").to(torch.bfloat16)
         probe_w = (torch.randn(s.n, s.k, device="cuda") / s.k**0.5).to(torch.bfloat16)
-        dm = dot_mode_for(probe_x.dtype, probe_w.dtype)
         for mode in ("bf16-fp32out", "fp32"):
+            cands = [
+                splitk_config(bm, bn, bk, 512, mode, warps, num_stages=stages, splits_in_program=True)
+                for bm, bn, warps in ((16, 16, 4), (64, 16, 4), (16, 16, 2), (16, 32, 4))
+                for stages in (3, 5, 8)
+                for bk in ((128, 256) if mode != "fp32" else (64,))
+            ]
             ref_cfg = splitk_config(16, 16, 128, 512, mode, 4)
-            ref = run_config(ref_cfg, probe_x, probe_w, torch.empty(300, s.n, device="cuda"), dm)
-            cands = []
-            for bm, bn, warps in ((16, 16, 4), (64, 16, 4), (16, 16, 2), (16, 32, 4)):
-                for stages in (3, 5, 8):
-                    for bk in (128, 256) if mode != "fp32" else (64,):
-                        c = splitk_config(
-                            bm, bn, bk, 512, mode, warps, num_stages=stages, splits_in_program=True
-                        )
-                        try:
-                            out = run_config(c, probe_x, probe_w, torch.empty(300, s.n, device="cuda"), dm)
-                        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
-                            print(f"  skip {c.describe()}: {type(e).__name__}: {str(e)[:100]}", flush=True)
-                            continue
-                        if torch.equal(out, ref):
-                            cands.append(c)
-                        else:
-                            print(f"  bismall {name} {mode}: {c.describe()} differs bitwise", flush=True)
+            cands = bitwise_admitted(ref_cfg, cands, probe_x, probe_w, f"bismall {name} {mode}")
             for m in ms:
                 xs, ws = make_inputs(m, s.k, s.n, rotation_copies(m, s.k, s.n), seed=m)
                 refs = bi_refs(mode, xs, ws)
                 run_case(f"bismall {name} {mode} M={m}", cands, xs, ws, 1e-5, refs, results, top=4)
+
+
+SECTIONS = {"gemv": section_gemv, "fp32mid": section_fp32mid, "bi": section_bi, "bismall": section_bismall}
 
 
 def main() -> int:
@@ -243,9 +246,7 @@ def main() -> int:
     results: list[dict] = []
     t0 = time.time()
     for name in args.sections.split(","):
-        {"gemv": section_gemv, "fp32mid": section_fp32mid, "bi": section_bi, "bismall": section_bismall}[
-            name
-        ](results)
+        SECTIONS[name](results)
         print(f"[probe] {name} done at {time.time() - t0:.0f}s", flush=True)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "probe.json").write_text(json.dumps(results, indent=1))

@@ -39,6 +39,6 @@ for step in "$@"; do
     tests-k) timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k "${TESTS_K}" 2>&1 \
              | tee "$OUT/pytest-k.log" | grep -vE "^DEBUG|^\s*$" | tail -25 ;;
     bench) timeout "${BENCH_TIMEOUT:-600}" python3 -m vllm_router_ext.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -vE "^\s+[A-Za-z0-9-]+ M=" | tail -150 ;;
-    *) echo "unknown step $step (tests, tests-gpu, tests-k, ncu, tune, tune-rest, tune-targeted, tune-bi, bench)"; exit 2 ;;
+    *) echo "unknown step $step (tests, tests-gpu, tests-k, ncu, tune, tune-rest, tune-targeted, tune-bi, probe, bench)"; exit 2 ;;
   esac
 done
