@@ -101,26 +101,6 @@ def test_pipelined_split_k_is_bitwise_the_unrolled_one(gen):
     assert torch.equal(unrolled, pipelined)
 
 
-@pytest.mark.parametrize("promote_chunks", [0, 2])
-@pytest.mark.parametrize("k", [300, 512])
-def test_splits_in_program_are_bitwise_the_ticket_reduction(gen, promote_chunks, k):
-    """Batch-invariant tables sum a tile's splits inside one program at large M and across
-    programs (ticket) at small M: for one K structure the logits must be bitwise the same,
-    whatever the tiles, with one MMA chain per split (0) or promoted chains (2)."""
-    x, w = _inputs(gen, 70, k, 40)
-    base = {**SPLITK_PROMOTED.params, "promote_chunks": promote_chunks}
-    ticket = run_config(KernelConfig("splitk", base), x, w, _poisoned(70, 40, torch.float32), DOT_NATIVE)
-    for tiles in ((16, 16, 1), (64, 32, 2), (32, 64, 3)):
-        block_m, block_n, stages = tiles
-        cfg = KernelConfig(
-            "splitk",
-            {**base, "block_m": block_m, "block_n": block_n, "num_stages": stages, "splits_in_program": True},
-        )
-        fused = run_config(cfg, x, w, _poisoned(70, 40, torch.float32), DOT_NATIVE)
-        assert torch.equal(fused, ticket), tiles
-    assert relative_error(ticket, reference_logits(x, w)) <= 1e-6
-
-
 FIXED = KernelConfig(  # SPLITK_PROMOTED's splits, summed exactly in fixed point (atomically)
     "splitk", {**SPLITK_PROMOTED.params, "fixed_point": True}
 )
@@ -132,21 +112,26 @@ def _fixed_words_left():
     return [int(b.abs().max()) for b in _FIXED_WORDS.values()]
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["split-order", "fixed-point"])
 @pytest.mark.parametrize("promote_chunks", [0, 2])
 @pytest.mark.parametrize("k", [300, 512])
-def test_fixed_point_split_sum_is_bitwise_the_same_in_one_program(gen, promote_chunks, k):
-    """The batch-invariant split sum: atomically in memory at small M, by the last program of a
-    tile (integer partials, ticket) at mid M, in registers of one program at large M; the same
-    integers, so bitwise the same logits, call after call, and every word is left at zero."""
+def test_split_sum_forms_are_bitwise_equal(gen, promote_chunks, k, fixed):
+    """Batch-invariant tables sum a tile's splits across programs at small M (a ticket, or one
+    fixed-point atomic per logit), by integer partials + ticket at mid M (fixed point), and inside
+    one program at large M: for one K structure and one kind of sum the logits must be bitwise the
+    same, whatever the tiles, with one MMA chain per split (0) or promoted chains (2); fixed-point
+    words are left at zero, call after call."""
     x, w = _inputs(gen, 70, k, 40)
-    base = {**FIXED.params, "promote_chunks": promote_chunks}
+    base = {**(FIXED if fixed else SPLITK_PROMOTED).params, "promote_chunks": promote_chunks}
     first = run_config(KernelConfig("splitk", base), x, w, _poisoned(70, 40, torch.float32), DOT_NATIVE)
-    again = run_config(KernelConfig("splitk", base), x, w, _poisoned(70, 40, torch.float32), DOT_NATIVE)
-    assert torch.equal(first, again)
-    assert set(_fixed_words_left()) == {0}
+    if fixed:
+        again = run_config(KernelConfig("splitk", base), x, w, _poisoned(70, 40, torch.float32), DOT_NATIVE)
+        assert torch.equal(first, again)
+        assert set(_fixed_words_left()) == {0}
+    forms = [{"splits_in_program": True}] + ([{"fixed_ticket": True}] if fixed else [])
     for block_m, block_n, stages in ((16, 16, 1), (64, 32, 2), (32, 64, 3)):
         params = {**base, "block_m": block_m, "block_n": block_n, "num_stages": stages}
-        for form in ({"splits_in_program": True}, {"fixed_ticket": True}):
+        for form in forms:
             out = run_config(
                 KernelConfig("splitk", {**params, **form}), x, w, _poisoned(70, 40, torch.float32), DOT_NATIVE
             )
