@@ -176,7 +176,9 @@ def time_cands(label, cands, m, shape, refs_fns, results, limit=1e-6):
     xs, ws = make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m)
     ref = xs[0].double() @ ws[0].double().T
     refs = {
-        name: time_graph([lambda x=x, w=w: fn(x, w) for x, w in zip(xs, ws, strict=True)], warmup=10, rep=30)
+        name: time_graph(
+            [lambda x=x, w=w, fn=fn: fn(x, w) for x, w in zip(xs, ws, strict=True)], warmup=10, rep=30
+        )
         for name, fn in refs_fns.items()
     }
     rows = []
@@ -233,12 +235,14 @@ def section_accuracy(results, tokens=8192, seed=7):
         ref_ids = select_experts(ref, shape.routing, bias)[0]
         paths = {
             describe(c): (
-                lambda c=c: run(c, x, w, torch.full((tokens, shape.n), float("nan"), device="cuda"))
+                lambda c=c, x=x, w=w, n=shape.n: run(
+                    c, x, w, torch.full((tokens, n), float("nan"), device="cuda")
+                )
             )
             for c in cands
         }
-        paths["torch fp32 upcast"] = lambda: F.linear(x.float(), w.float())
-        paths["cuBLAS bf16->fp32"] = lambda: torch.mm(x, w.T, out_dtype=torch.float32)
+        paths["torch fp32 upcast"] = lambda x=x, w=w: F.linear(x.float(), w.float())
+        paths["cuBLAS bf16->fp32"] = lambda x=x, w=w: torch.mm(x, w.T, out_dtype=torch.float32)
         for label, fn in paths.items():
             logits = fn().double()
             rel = ((logits - ref).norm() / ref.norm()).item()
