@@ -25,8 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from csrc_triton.configs import (  # noqa: E402
     CONFIG_DIR,
+    FP32_MAX_BLOCK_K,
     PARAM_KEYS,
     KernelConfig,
+    _fp32_promotion,
     bucket_for,
     device_key,
     pipelined_splitk_config,
@@ -65,6 +67,9 @@ BIG_SPLITK = [  # (block_m, block_n, k_per_split, num_warps): software-pipelined
     (128, 128, 3584, 8),
     (128, 128, 7168, 8),
 ]
+#: fp32 mode only: pipelined split-K with 128-wide chunks (chains of 256: the probe's winner at 256
+#: tokens); two chunks per stage, so only 64x64 tiles fit three stages in shared memory.
+BIG_SPLITK_FP32_BK128 = [(64, 64, 1024, 4), (64, 64, 2048, 4)]
 TILED = [  # (block_m, block_n, block_k, num_warps, num_stages)
     (64, 128, 64, 4, 3),
     (64, 256, 64, 8, 3),
@@ -98,7 +103,9 @@ def splitk_candidates(m: int, mode: str) -> list[KernelConfig]:
         ]
     if m >= 128:
         out += [pipelined_splitk_config(bm, bn, kps, mode, warps) for bm, bn, kps, warps in BIG_SPLITK]
-    return out
+        if mode == "fp32":
+            out += [pipelined_splitk_config(*c[:3], mode, c[3], block_k=128) for c in BIG_SPLITK_FP32_BK128]
+    return list(dict.fromkeys(out))  # the fp32 mode caps BLOCK_K: some shapes coincide
 
 
 def tiled_candidates(m: int, mode: str) -> list[KernelConfig]:
@@ -113,7 +120,7 @@ def tiled_candidates(m: int, mode: str) -> list[KernelConfig]:
                     block_m=block_m,
                     block_n=block_n,
                     block_k=block_k,
-                    promote_chunks=(128 // block_k) if mode == "fp32" else 0,
+                    promote_chunks=_fp32_promotion(block_k) if mode == "fp32" else 0,
                     group_m=8,
                     num_warps=warps,
                     num_stages=stages,
@@ -148,14 +155,23 @@ def time_config(cfg: KernelConfig, xs, ws, mode: str) -> float:
     return time_graph(calls, warmup=10, rep=40)
 
 
-def tune_shape(shape, mode: str, ms) -> tuple[list[dict], dict[int, float]]:
+#: The fp32 mode's tiled kernel never won below this M on the H200 (tune-h200-976dd63.log and later
+#: tables): not timed there, to keep a retune inside one device call.
+FP32_TILED_FROM = 2048
+
+
+def tune_shape(shape, mode: str, ms, old: list[dict] | None = None) -> tuple[list[dict], dict[int, float]]:
+    """The fastest candidate per M in ``ms``; with ``old`` (a merged table), every other M of the
+    benchmark's list keeps ``old``'s bucket."""
     best_by_m: dict[int, tuple[float, KernelConfig]] = {}
     for m in ms:
         xs, ws = make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m)
         cands = gemv_candidates(m) if m <= GEMV_MAX_M else []
         cands += splitk_candidates(m, mode)
-        if m >= 32:  # the tiled kernel never beat cuBLAS in the 16-bit modes: two for the record
-            cands += tiled_candidates(m, mode)[: None if mode == "fp32" else 2]
+        if mode == "fp32" and m >= FP32_TILED_FROM:
+            cands += tiled_candidates(m, mode)
+        elif mode != "fp32" and m >= 32:  # it never beat cuBLAS in the 16-bit modes: two for the record
+            cands += tiled_candidates(m, mode)[:2]
         if mode == "bf16-fp32out":
             cands.append(KernelConfig("cublas"))
         results = []
@@ -171,7 +187,8 @@ def tune_shape(shape, mode: str, ms) -> tuple[list[dict], dict[int, float]]:
             + (f"  (cuBLAS {cub:.2f})" if cub else ""),
             flush=True,
         )
-    return merge_buckets([], best_by_m, ms), {m: best_by_m[m][0] for m in ms}
+    points = sorted(set(ms) | set(M_LIST)) if old else ms
+    return merge_buckets(old or [], best_by_m, points), {m: best_by_m[m][0] for m in ms}
 
 
 #: K structures a batch-invariant config may fix: (k_per_split, block_k, fixed_point); promotion
@@ -252,20 +269,27 @@ def _fastest_non_invariant(shape, mode: str, m: int, xs, ws) -> float:
     return t
 
 
-def tune_batch_invariant(shape, mode: str, old: list[dict] | None = None, ms=BI_M) -> list[dict]:
+def tune_batch_invariant(
+    shape, mode: str, old: list[dict] | None = None, ms=BI_M, sums: str = "both"
+) -> list[dict]:
     """Per M, the fastest tiles among configs that share one K structure *and* give bitwise the
     same logits as that structure's reference config on the same input (checked here).
     With ``old`` (``--bi-only --m ...`` on a merged table): keep its K structure, retime only
-    ``ms`` and merge them into its buckets."""
+    ``ms`` and merge them into its buckets. ``sums``: which K structures to compare ("split-order",
+    "fixed-point" or "both")."""
     inputs = {m: make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m) for m in ms}
     best = {m: _fastest_non_invariant(shape, mode, m, *inputs[m]) for m in ms}
     probe_x = torch.randn(300, shape.k, device="cuda").to(torch.bfloat16)
     probe_w = inputs[ms[0]][1][0]
     dot_mode = dot_mode_for(probe_x.dtype, probe_w.dtype)
     choices = []
-    structures = {(kps, min(bk, 64) if mode == "fp32" else bk, fixed) for kps, bk, fixed in BI_K_STRUCTURES}
+    structures = {
+        (kps, min(bk, FP32_MAX_BLOCK_K) if mode == "fp32" else bk, fixed)
+        for kps, bk, fixed in BI_K_STRUCTURES
+        if sums == "both" or fixed == (sums == "fixed-point")
+    }
     if old:  # keep the table's K split and kind of sum; BLOCK_K is the reference tile's
-        structures = {(old[0]["k_per_split"], 64 if mode == "fp32" else 128, bool(old[0].get("fixed_point")))}
+        structures = {(old[0]["k_per_split"], 128, bool(old[0].get("fixed_point")))}
     for structure in sorted(structures):
         ref_cfg = _bi_config(structure, BI_TILES[0], mode)
         ref = run_config(ref_cfg, probe_x, probe_w, torch.empty(300, shape.n, device="cuda"), dot_mode)
@@ -420,6 +444,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --merge: time only the targeted candidates at --m and merge them into the table",
     )
+    p.add_argument(
+        "--bi-sums",
+        choices=("both", "split-order", "fixed-point"),
+        default="both",
+        help="which kinds of batch-invariant split sum to compare (each doubles the time)",
+    )
     args = p.parse_args(argv)
     name = torch.cuda.get_device_name()
     out = Path(args.out) if args.out else CONFIG_DIR / f"{device_key(name)}.json"
@@ -443,14 +473,14 @@ def main(argv: list[str] | None = None) -> int:
                 out.write_text(json.dumps(table, indent=1))
                 continue
             if not args.bi_only:
-                entry[mode] = tune_shape(shape, mode, ms)[0]
+                entry[mode] = tune_shape(shape, mode, ms, entry.get(mode) if args.merge else None)[0]
                 out.write_text(json.dumps(table, indent=1))
             _reload_table(out)
             key = f"{mode}/batch_invariant"
             if args.bi_only and args.m != p.get_default("m"):  # retune these M, keep the K structure
                 entry[key] = tune_batch_invariant(shape, mode, entry[key], ms)
             else:
-                entry[key] = tune_batch_invariant(shape, mode)
+                entry[key] = tune_batch_invariant(shape, mode, sums=args.bi_sums)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(table, indent=1))  # keep what is done if the run is cut short
         print(f"[tune] {shape.name} done at {time.time() - t0:.0f}s", flush=True)

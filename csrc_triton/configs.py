@@ -70,9 +70,21 @@ def load_table(device_name: str) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+#: The fp32 mode's promotion: every FP32_PROMOTE_CHUNKS chunks of BLOCK_K (<= FP32_MAX_BLOCK_K) the
+#: MMA chain is added into the fp32 accumulator, so no tensor-core chain is longer than 256 along K.
+#: Measured on the H200 at K=7168, 8192 tokens (benchmarks/probe_promotion.py): chains of 128
+#: 1.4-1.8e-7 relative error, 256 2.4-2.5e-7, 512 4.8e-7, the whole K 7.9e-6; torch's fp32 upcast
+#: 2.4-5.6e-7. Never one chunk per chain: Triton folds ``acc + dot(a, b, 0)`` into
+#: ``dot(a, b, acc)``, which would silently make the whole K one chain again.
+FP32_PROMOTE_CHUNKS = 2
+FP32_MAX_BLOCK_K = 128
+
+
 def _fp32_promotion(block_k: int) -> int:
-    """Chunks per promoted MMA chain in the fp32 mode: chains of 128 along K."""
-    return max(1, 128 // block_k)
+    """Chunks per promoted MMA chain in the fp32 mode (chains of 2 * BLOCK_K <= 256 along K)."""
+    if block_k > FP32_MAX_BLOCK_K:
+        raise ValueError(f"fp32 mode: block_k={block_k} makes chains longer than {2 * FP32_MAX_BLOCK_K}")
+    return FP32_PROMOTE_CHUNKS
 
 
 def splitk_config(
@@ -88,13 +100,13 @@ def splitk_config(
     fixed_point: bool = False,
     fixed_ticket: bool = False,
 ) -> KernelConfig:
-    """A split-K config; the fp32 mode uses BLOCK_K <= 64 and 128-long promoted MMA chains.
+    """A split-K config; the fp32 mode uses BLOCK_K <= 128 and promoted MMA chains of two chunks.
     ``num_stages`` 1 unrolls each split's K loop, more software-pipelines it (same sums).
     ``fixed_point``: the split partials are summed exactly (the batch-invariant configs), by one
     atomic per logit or (``fixed_ticket``) by the last program of a tile (the same integers)."""
     fp32 = mode == "fp32"
     if fp32:
-        block_k = min(block_k, 64)
+        block_k = min(block_k, FP32_MAX_BLOCK_K)
     params = dict(
         block_m=block_m,
         block_n=block_n,
@@ -114,10 +126,10 @@ def splitk_config(
 
 
 def pipelined_splitk_config(
-    block_m: int, block_n: int, k_per_split: int, mode: str, num_warps: int
+    block_m: int, block_n: int, k_per_split: int, mode: str, num_warps: int, block_k: int = 64
 ) -> KernelConfig:
-    """A split-K config with large tiles and a software-pipelined K loop (BLOCK_K 64, 3 stages)."""
-    return splitk_config(block_m, block_n, 64, k_per_split, mode, num_warps, num_stages=3)
+    """A split-K config with large tiles and a software-pipelined K loop (3 stages)."""
+    return splitk_config(block_m, block_n, block_k, k_per_split, mode, num_warps, num_stages=3)
 
 
 #: Batch-invariant heuristic: above this M, a tile's splits run in one program (same sums).

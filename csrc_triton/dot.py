@@ -67,8 +67,10 @@ def promoted_group(
     UPCAST: tl.constexpr,
 ):
     """``acc + part``, where ``part`` is one fresh MMA chain over PROMOTE_CHUNKS chunks of BLOCK_K
-    starting at ``k0`` (promotion: tensor-core accumulation chains stay that short, and the
-    compiler cannot fold ``part`` into ``acc``). x_rows: [BM, 1] row pointers, w_cols: [1, BN]."""
+    starting at ``k0`` (promotion: tensor-core accumulation chains stay that short). With two or
+    more chunks the compiler cannot fold ``part`` into ``acc``; with one it does (Triton rewrites
+    ``acc + dot(a, b, 0)`` as ``dot(a, b, acc)``), so the fp32 mode never promotes every chunk
+    (``csrc_triton.configs.FP32_PROMOTE_CHUNKS``). x_rows: [BM, 1] row pointers, w_cols: [1, BN]."""
     part = tl.zeros(acc.shape, dtype=tl.float32)
     for j in tl.static_range(PROMOTE_CHUNKS):
         offs_k = k0 + j * BLOCK_K + tl.arange(0, BLOCK_K)

@@ -62,7 +62,7 @@ def test_tuner_batch_invariant_candidates_are_well_formed():
     spec.loader.exec_module(tune)
     for mode in ("bf16-fp32out", "fp32"):
         for kps, block_k, fixed in tune.BI_K_STRUCTURES:
-            structure = (kps, min(block_k, 64) if mode == "fp32" else block_k, fixed)
+            structure = (kps, min(block_k, tune.FP32_MAX_BLOCK_K) if mode == "fp32" else block_k, fixed)
             cfgs = [c for t in tune.BI_TILES if (c := tune._bi_config(structure, t, mode)) is not None]
             ref = tune._bi_config(structure, tune.BI_TILES[0], mode)
             assert cfgs[0] == ref and ref.params["num_stages"] == 1
@@ -75,3 +75,46 @@ def test_tuner_batch_invariant_candidates_are_well_formed():
                 assert any(tune._bi_fits(c, m) for c in cfgs), (structure, m)
             if fixed:
                 assert all(-(-s.k // kps) <= FIXED_MAX_SPLITS for s in SHAPES)
+
+
+def test_fp32_configs_promote_short_chains_of_two_or_more_chunks():
+    """Every fp32-mode config the dispatch can pick (the H200 table, the heuristic, the tuner's
+    candidates) promotes its MMA chain every 2+ chunks, at most 256 along K: one chunk per chain
+    would be folded by Triton (``acc + dot(a, b, 0)`` -> ``dot(a, b, acc)``) into one chain over K,
+    8e-6 relative error instead of <= 2.5e-7 (docs/precision.md)."""
+    import importlib.util
+
+    import pytest
+
+    from csrc_triton.configs import (
+        FP32_MAX_BLOCK_K,
+        KernelConfig,
+        _fp32_promotion,
+        heuristic_config,
+        load_table,
+        splitk_config,
+    )
+    from vllm_router_ext.benchmarking import M_LIST, SHAPES
+
+    spec = importlib.util.spec_from_file_location("tune", REPO / "benchmarks/tune.py")
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    cfgs = [
+        KernelConfig(b["kernel"], b)
+        for shape in load_table("NVIDIA H200")["shapes"].values()
+        for key in ("fp32", "fp32/batch_invariant")
+        for b in shape[key]
+    ]
+    cfgs += [
+        heuristic_config(m, s.k, s.n, "fp32", bi, 132) for s in SHAPES for m in M_LIST for bi in (False, True)
+    ]
+    cfgs += [c for m in M_LIST for c in tune.splitk_candidates(m, "fp32") + tune.tiled_candidates(m, "fp32")]
+    assert len({c.kernel for c in cfgs}) == 3  # gemv (FMA, no chains), splitk, tiled
+    for c in cfgs:
+        if c.kernel == "gemv":
+            continue
+        p = c.params
+        assert p["promote_chunks"] >= 2 and p["block_k"] * p["promote_chunks"] <= 2 * FP32_MAX_BLOCK_K, c
+    with pytest.raises(ValueError, match="block_k=256"):
+        _fp32_promotion(256)
+    assert splitk_config(16, 16, 512, 512, "fp32").params["block_k"] == FP32_MAX_BLOCK_K
