@@ -70,6 +70,10 @@ BIG_SPLITK = [  # (block_m, block_n, k_per_split, num_warps): software-pipelined
 #: fp32 mode only: pipelined split-K with 128-wide chunks (chains of 256: the probe's winner at 256
 #: tokens); two chunks per stage, so only 64x64 tiles fit three stages in shared memory.
 BIG_SPLITK_FP32_BK128 = [(64, 64, 1024, 4), (64, 64, 2048, 4)]
+#: fp32 mode only, 1024..8192 tokens: one program per tile, flat pipelined loop over K, the promoted
+#: chains added per split of 512 (the batch-invariant large-M kernel: at 2048-4096 tokens it beat
+#: the non-invariant fp32 configs in tune-h200-0e776fd-fp32.log). (block_m, block_n, num_warps)
+IN_PROGRAM_FP32 = [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8)]
 TILED = [  # (block_m, block_n, block_k, num_warps, num_stages)
     (64, 128, 64, 4, 3),
     (64, 256, 64, 8, 3),
@@ -105,6 +109,11 @@ def splitk_candidates(m: int, mode: str) -> list[KernelConfig]:
         out += [pipelined_splitk_config(bm, bn, kps, mode, warps) for bm, bn, kps, warps in BIG_SPLITK]
         if mode == "fp32":
             out += [pipelined_splitk_config(*c[:3], mode, c[3], block_k=128) for c in BIG_SPLITK_FP32_BK128]
+    if mode == "fp32" and 1024 <= m <= 8192:
+        out += [
+            splitk_config(bm, bn, 128, 512, mode, warps, num_stages=3, splits_in_program=True)
+            for bm, bn, warps in IN_PROGRAM_FP32
+        ]
     return list(dict.fromkeys(out))  # the fp32 mode caps BLOCK_K: some shapes coincide
 
 
@@ -444,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --merge: time only the targeted candidates at --m and merge them into the table",
     )
+    p.add_argument("--no-bi", action="store_true", help="leave the batch-invariant buckets as they are")
     p.add_argument(
         "--bi-sums",
         choices=("both", "split-order", "fixed-point"),
@@ -475,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
             if not args.bi_only:
                 entry[mode] = tune_shape(shape, mode, ms, entry.get(mode) if args.merge else None)[0]
                 out.write_text(json.dumps(table, indent=1))
+            if args.no_bi:
+                continue
             _reload_table(out)
             key = f"{mode}/batch_invariant"
             if args.bi_only and args.m != p.get_default("m"):  # retune these M, keep the K structure
