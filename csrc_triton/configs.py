@@ -80,7 +80,7 @@ FP32_PROMOTE_CHUNKS = 2
 FP32_MAX_BLOCK_K = 128
 
 
-def _fp32_promotion(block_k: int) -> int:
+def fp32_promote_chunks(block_k: int) -> int:
     """Chunks per promoted MMA chain in the fp32 mode (chains of 2 * BLOCK_K <= 256 along K)."""
     if block_k > FP32_MAX_BLOCK_K:
         raise ValueError(f"fp32 mode: block_k={block_k} makes chains longer than {2 * FP32_MAX_BLOCK_K}")
@@ -112,7 +112,7 @@ def splitk_config(
         block_n=block_n,
         block_k=block_k,
         k_per_split=k_per_split,
-        promote_chunks=_fp32_promotion(block_k) if fp32 else 0,
+        promote_chunks=fp32_promote_chunks(block_k) if fp32 else 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -178,7 +178,7 @@ def heuristic_config(
             block_m=128,
             block_n=128 if n >= 128 else 64,
             block_k=64,
-            promote_chunks=_fp32_promotion(64) if fp32 else 0,
+            promote_chunks=fp32_promote_chunks(64) if fp32 else 0,
             group_m=8,
             num_warps=8,
             num_stages=3,

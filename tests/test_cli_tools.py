@@ -89,7 +89,7 @@ def test_fp32_configs_promote_short_chains_of_two_or_more_chunks():
     from csrc_triton.configs import (
         FP32_MAX_BLOCK_K,
         KernelConfig,
-        _fp32_promotion,
+        fp32_promote_chunks,
         heuristic_config,
         load_table,
         splitk_config,
@@ -116,5 +116,5 @@ def test_fp32_configs_promote_short_chains_of_two_or_more_chunks():
         p = c.params
         assert p["promote_chunks"] >= 2 and p["block_k"] * p["promote_chunks"] <= 2 * FP32_MAX_BLOCK_K, c
     with pytest.raises(ValueError, match="block_k=256"):
-        _fp32_promotion(256)
+        fp32_promote_chunks(256)
     assert splitk_config(16, 16, 512, 512, "fp32").params["block_k"] == FP32_MAX_BLOCK_K
