@@ -48,6 +48,7 @@ def _tma_kernel(
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
     """x_desc: [M, K] blocks [BLOCK_M, BLOCK_K]; w_desc: [N, K] blocks [BLOCK_N, BLOCK_K].
     Programs walk tiles pid, pid + NUM_PROGRAMS, ... (persistent when NUM_PROGRAMS = #SMs)."""
@@ -68,7 +69,17 @@ def _tma_kernel(
                 a = x_desc.load([pid_m * BLOCK_M, kt * BLOCK_K])
                 b = w_desc.load([pid_n * BLOCK_N, kt * BLOCK_K])
                 acc = tl.dot(a, b.T, acc)
-        else:
+        elif FLAT:  # one chunk per iteration (one stage each), the promotion as a branch
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kt in range(k_tiles):
+                a = x_desc.load([pid_m * BLOCK_M, kt * BLOCK_K])
+                b = w_desc.load([pid_n * BLOCK_N, kt * BLOCK_K])
+                part = tl.dot(a, b.T, part)
+                if (kt + 1) % PROMOTE == 0:
+                    acc = acc + part
+                    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = acc + part
+        else:  # nested: PROMOTE chunks per iteration (and per pipeline stage)
             for kg in range(0, k_tiles, PROMOTE):
                 part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for j in tl.static_range(PROMOTE):
@@ -83,13 +94,18 @@ def _tma_kernel(
 
 
 class Tma:
-    def __init__(self, bm, bn, bk, stages, warps, promote, persistent, ws):
+    def __init__(self, bm, bn, bk, stages, warps, promote, persistent, ws, flat=False):
         self.p = (bm, bn, bk, stages, warps, promote, persistent, ws)
+        self.flat = flat
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def describe(self) -> str:
         bm, bn, bk, stages, warps, promote, persistent, ws = self.p
-        chain = f"chain {bk * promote}" if promote else "one chain (not fp32-accurate)"
+        chain = (
+            f"{'flat ' if self.flat else ''}chain {bk * promote}"
+            if promote
+            else "one chain (not fp32-accurate)"
+        )
         return (
             f"tma {bm}x{bn}x{bk} s{stages} w{warps} {'persistent' if persistent else 'one tile/program'}"
             f"{' warp-specialised' if ws else ''} {chain}"
@@ -106,7 +122,7 @@ class Tma:
             TensorDescriptor.from_tensor(w, [bn, bk]),
             out, M, N, K, out.stride(0),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PROMOTE=promote, GROUP_M=8,
-            NUM_PROGRAMS=programs, WARP_SPECIALIZE=ws, num_warps=warps, num_stages=stages,
+            NUM_PROGRAMS=programs, WARP_SPECIALIZE=ws, FLAT=self.flat, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return out
 
@@ -114,17 +130,18 @@ class Tma:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="probe-out")
-    p.add_argument("--m", default="2048,4096,16384")
+    p.add_argument("--m", default="4096,16384")
     args = p.parse_args()
     results = []
     t0 = time.time()
     shape = SHAPE["DeepSeek-V3"]
-    cands = [
-        Tma(bm, bn, bk, stages, warps, promote, persistent, ws)
-        for bm, bn, bk, stages, warps in ((128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (128, 128, 128, 3, 8))
-        for promote in (0, 2)
+    # Shared memory: a stage holds PROMOTE chunks in the nested form, one in the flat form.
+    cands = [Tma(128, 128, 64, 4, 8, 0, persistent, False) for persistent in (False, True)]
+    cands += [Tma(128, 128, 64, 2, 8, 2, persistent, False) for persistent in (False, True)]
+    cands += [
+        Tma(bm, bn, bk, stages, 8, promote, persistent, False, flat=True)
+        for bm, bn, bk, stages, promote in ((128, 128, 64, 4, 2), (128, 128, 64, 4, 4), (128, 128, 128, 2, 2))
         for persistent in (False, True)
-        for ws in ((False, True) if persistent else (False,))
     ]
     for m in [int(v) for v in args.m.split(",")]:
         xs, ws_ = make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m)
