@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from csrc_triton.configs import KernelConfig  # noqa: E402
 from csrc_triton.dot import interpreting, mma  # noqa: E402
+from csrc_triton.router_gemm_tiled import grouped_tile  # noqa: E402
 from vllm_router_ext.benchmarking import SHAPES, make_inputs, rotation_copies, time_graph  # noqa: E402
 from vllm_router_ext.ops import router_gemm  # noqa: E402
 from vllm_router_ext.ops.dispatch import run_config  # noqa: E402
@@ -63,14 +64,7 @@ def _flat_promoted_kernel(
 ):
     """The tiled kernel with one chunk per loop iteration and the promotion as a branch
     (PROMOTE_CHUNKS >= 2; 0 = one chain over K)."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M

@@ -26,6 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from csrc_triton.router_gemm_tiled import grouped_tile  # noqa: E402
 from vllm_router_ext.benchmarking import SHAPES, make_inputs, rotation_copies, time_graph  # noqa: E402
 from vllm_router_ext.ops import router_gemm  # noqa: E402
 
@@ -52,17 +53,12 @@ def _tma_kernel(
 ):
     """x_desc: [M, K] blocks [BLOCK_M, BLOCK_K]; w_desc: [N, K] blocks [BLOCK_N, BLOCK_K].
     Programs walk tiles pid, pid + NUM_PROGRAMS, ... (persistent when NUM_PROGRAMS = #SMs)."""
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(
-        tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE
+        tl.program_id(0), tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE
     ):
-        group = tile // (GROUP_M * num_n)
-        first_m = group * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % (GROUP_M * num_n)) % size_m
-        pid_n = (tile % (GROUP_M * num_n)) // size_m
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if PROMOTE == 0:
             for kt in range(k_tiles):
