@@ -67,9 +67,9 @@ BIG_SPLITK = [  # (block_m, block_n, k_per_split, num_warps): software-pipelined
     (128, 128, 3584, 8),
     (128, 128, 7168, 8),
 ]
-#: fp32 mode only: pipelined split-K with 128-wide chunks (chains of 256: the probe's winner at 256
-#: tokens); two chunks per stage, so only 64x64 tiles fit three stages in shared memory.
-BIG_SPLITK_FP32_BK128 = [(64, 64, 1024, 4), (64, 64, 2048, 4)]
+#: Pipelined split-K with 128-wide chunks (the fp32 mode's winner at 256 tokens in the promotion
+#: probe, below cuBLAS bf16); in the fp32 mode two chunks per stage, so only 64x64 tiles fit.
+BIG_SPLITK_BK128 = [(64, 64, 1024, 4), (64, 64, 2048, 4)]
 #: fp32 mode only, from 1024 tokens: one program per tile, flat pipelined loop over K, the promoted
 #: chains added per split of 512 (the batch-invariant large-M kernel: at 2048-4096 tokens it beat
 #: the non-invariant fp32 configs in tune-h200-0e776fd-fp32.log, and at 16384 the tiled kernel in
@@ -108,8 +108,7 @@ def splitk_candidates(m: int, mode: str) -> list[KernelConfig]:
         ]
     if m >= 128:
         out += [pipelined_splitk_config(bm, bn, kps, mode, warps) for bm, bn, kps, warps in BIG_SPLITK]
-        if mode == "fp32":
-            out += [pipelined_splitk_config(*c[:3], mode, c[3], block_k=128) for c in BIG_SPLITK_FP32_BK128]
+        out += [pipelined_splitk_config(*c[:3], mode, c[3], block_k=128) for c in BIG_SPLITK_BK128]
     if mode == "fp32" and m >= 1024:
         out += [
             splitk_config(bm, bn, 128, 512, mode, warps, num_stages=3, splits_in_program=True)
