@@ -68,7 +68,9 @@ BIG_SPLITK = [  # (block_m, block_n, k_per_split, num_warps): software-pipelined
     (128, 128, 7168, 8),
 ]
 #: Pipelined split-K with 128-wide chunks (the fp32 mode's winner at 256 tokens in the promotion
-#: probe, below cuBLAS bf16); in the fp32 mode two chunks per stage, so only 64x64 tiles fit.
+#: probe, below cuBLAS bf16; in bf16-fp32out cuBLAS still won at 128-512 tokens on DeepSeek-V3 and
+#: Kimi-K2: tune-h200-d8edcfa-bf16-bk128.log); in the fp32 mode two chunks per stage, so only 64x64
+#: tiles fit three stages.
 BIG_SPLITK_BK128 = [(64, 64, 1024, 4), (64, 64, 2048, 4)]
 #: fp32 mode only, from 1024 tokens: one program per tile, flat pipelined loop over K, the promoted
 #: chains added per split of 512 (the batch-invariant large-M kernel: at 2048-4096 tokens it beat
