@@ -238,6 +238,20 @@ BI_TILES = [
 BI_M = (1, 16, 64, 256, 512, 1024, 2048, 4096, 16384)
 
 
+def bi_structures(mode: str, sums: str = "both") -> list[tuple[int, int, bool]]:
+    """The K structures (k_per_split, block_k, fixed_point) a batch-invariant retune compares in
+    ``mode``: ``sums`` keeps the split-order ones, the fixed-point ones or both."""
+    if sums not in ("both", "split-order", "fixed-point"):
+        raise ValueError(f"sums={sums!r}; allowed: both, split-order, fixed-point")
+    return sorted(
+        {
+            (kps, min(bk, FP32_MAX_BLOCK_K) if mode == "fp32" else bk, fixed)
+            for kps, bk, fixed in BI_K_STRUCTURES
+            if sums == "both" or fixed == (sums == "fixed-point")
+        }
+    )
+
+
 def _bi_fits(cfg: KernelConfig, m: int) -> bool:
     """Which tiles are worth timing at M: unrolled up to 256 tokens, pipelined with a ticket from
     64 to 4096, one program per tile (no partials in memory) from 256 on."""
@@ -294,14 +308,10 @@ def tune_batch_invariant(
     probe_w = inputs[ms[0]][1][0]
     dot_mode = dot_mode_for(probe_x.dtype, probe_w.dtype)
     choices = []
-    structures = {
-        (kps, min(bk, FP32_MAX_BLOCK_K) if mode == "fp32" else bk, fixed)
-        for kps, bk, fixed in BI_K_STRUCTURES
-        if sums == "both" or fixed == (sums == "fixed-point")
-    }
+    structures = bi_structures(mode, sums)
     if old:  # keep the table's K split and kind of sum; BLOCK_K is the reference tile's
-        structures = {(old[0]["k_per_split"], 128, bool(old[0].get("fixed_point")))}
-    for structure in sorted(structures):
+        structures = [(old[0]["k_per_split"], 128, bool(old[0].get("fixed_point")))]
+    for structure in structures:
         ref_cfg = _bi_config(structure, BI_TILES[0], mode)
         ref = run_config(ref_cfg, probe_x, probe_w, torch.empty(300, shape.n, device="cuda"), dot_mode)
         admitted = []

@@ -61,8 +61,12 @@ def test_tuner_batch_invariant_candidates_are_well_formed():
     tune = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tune)
     for mode in ("bf16-fp32out", "fp32"):
-        for kps, block_k, fixed in tune.BI_K_STRUCTURES:
-            structure = (kps, min(block_k, tune.FP32_MAX_BLOCK_K) if mode == "fp32" else block_k, fixed)
+        structures = tune.bi_structures(mode)
+        assert len(structures) == len(tune.BI_K_STRUCTURES)
+        assert [s for s in structures if not s[2]] == tune.bi_structures(mode, "split-order")
+        assert [s for s in structures if s[2]] == tune.bi_structures(mode, "fixed-point")
+        for structure in structures:
+            kps, _, fixed = structure
             cfgs = [c for t in tune.BI_TILES if (c := tune._bi_config(structure, t, mode)) is not None]
             ref = tune._bi_config(structure, tune.BI_TILES[0], mode)
             assert cfgs[0] == ref and ref.params["num_stages"] == 1
@@ -118,3 +122,37 @@ def test_fp32_configs_promote_short_chains_of_two_or_more_chunks():
     with pytest.raises(ValueError, match="block_k=256"):
         fp32_promote_chunks(256)
     assert splitk_config(16, 16, 512, 512, "fp32").params["block_k"] == FP32_MAX_BLOCK_K
+
+
+def test_tuner_merges_a_partial_retune_into_the_table_buckets():
+    """``tune.py --merge T --m 32,64``: the retuned M get the new configs, every other M of the
+    benchmark's list keeps the table's bucket, equal neighbours collapse, the last bucket is open."""
+    import importlib.util
+
+    import pytest
+
+    from csrc_triton.configs import KernelConfig, bucket_for
+
+    spec = importlib.util.spec_from_file_location("tune", REPO / "benchmarks/tune.py")
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    gemv = {"kernel": "gemv", "block_m": 1, "block_n": 1, "k_per_split": 0, "num_warps": 8}
+    old = [
+        {"max_m": 16, **gemv, "us": 3.5},
+        {"max_m": 256, "kernel": "splitk", "block_m": 64},
+        {"max_m": None, "kernel": "cublas"},
+    ]
+    new_cfg = KernelConfig("splitk", {"block_m": 32, "block_k": 128})
+    points = sorted(set((32, 64)) | set(tune.M_LIST))
+    merged = tune.merge_buckets(old, {32: (7.0, new_cfg), 64: (8.0, new_cfg)}, points)
+    for m in tune.M_LIST:
+        got = {k: v for k, v in bucket_for(merged, m).items() if k not in ("max_m", "us")}
+        if m in (32, 64):
+            assert got == {"kernel": "splitk", "block_m": 32, "block_k": 128}, m
+        else:
+            assert got == {k: v for k, v in bucket_for(old, m).items() if k not in ("max_m", "us")}, m
+    assert merged[-1]["max_m"] is None and len(merged) == 4  # gemv, new splitk, old splitk, cuBLAS
+    with pytest.raises(SystemExit, match="--merge"):
+        tune.merge_buckets([], {32: (7.0, new_cfg)}, (16, 32))  # nothing to keep for M=16
+    with pytest.raises(ValueError, match="sums='both-ish'"):
+        tune.bi_structures("fp32", "both-ish")
