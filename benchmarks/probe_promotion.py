@@ -5,8 +5,10 @@ mode, and what does promotion cost?
 
 The ``fp32`` mode keeps bf16 operands and adds short MMA chains into an fp32 register accumulator
 ("promotion"): the H200's MMA accumulation is not IEEE fp32 (a K=7168 chain: ~8e-6 relative
-error; chains of 128: ~1.6e-7). Today every fp32 config uses chains of 128 (BLOCK_K <= 64, two
-chunks per chain), nested as a static inner loop, which makes every wgmma wait for completion.
+error; chains of 128: ~1.6e-7). When this probe was written every fp32 config used chains of 128
+(BLOCK_K <= 64, two chunks per chain), nested as a static inner loop, which makes every wgmma wait
+for completion. Its results (benchmarks/results/probe-promotion-h200-971dc71.log) moved the mode to
+chains of up to 256 (``FP32_MAX_BLOCK_K`` in csrc_triton/configs.py); the flat loop lost.
 
 - accuracy: relative error vs fp64 and % of tokens whose expert set changes (fp64 routing on each
   path's logits), 8192 tokens, for chains of 128, 256, 512 and K, in the shipped nested form and
