@@ -27,7 +27,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from csrc_triton.configs import KernelConfig, splitk_config  # noqa: E402
-from vllm_router_ext.benchmarking import SHAPES, make_inputs, rotation_copies, time_graph  # noqa: E402
+from vllm_router_ext.benchmarking import (  # noqa: E402
+    SHAPES,
+    make_inputs,
+    rotation_copies,
+    time_rotated,
+    time_rotated_into,
+)
 from vllm_router_ext.ops import router_gemm  # noqa: E402
 from vllm_router_ext.ops.dispatch import dot_mode_for, run_config  # noqa: E402
 
@@ -42,14 +48,12 @@ def rel_err(cfg, x, w) -> float:
 
 
 def time_fn(fn, xs, ws) -> float:
-    return time_graph([lambda x=x, w=w: fn(x, w) for x, w in zip(xs, ws, strict=True)], warmup=10, rep=30)
+    return time_rotated(fn, xs, ws, warmup=10, rep=30)
 
 
 def time_cfg(cfg, xs, ws) -> float:
     dm = dot_mode_for(xs[0].dtype, ws[0].dtype)
-    outs = [torch.empty(x.shape[0], w.shape[0], device="cuda") for x, w in zip(xs, ws, strict=True)]
-    calls = [lambda x=x, w=w, o=o: run_config(cfg, x, w, o, dm) for x, w, o in zip(xs, ws, outs, strict=True)]
-    return time_graph(calls, warmup=10, rep=30)
+    return time_rotated_into(lambda x, w, o: run_config(cfg, x, w, o, dm), xs, ws, warmup=10, rep=30)
 
 
 def run_case(label, cands, xs, ws, limit, refs, results, top=6):

@@ -38,7 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from csrc_triton.configs import KernelConfig  # noqa: E402
 from csrc_triton.dot import interpreting, mma  # noqa: E402
 from csrc_triton.router_gemm_tiled import grouped_tile  # noqa: E402
-from vllm_router_ext.benchmarking import SHAPES, make_inputs, rotation_copies, time_graph  # noqa: E402
+from vllm_router_ext.benchmarking import (  # noqa: E402
+    SHAPES,
+    make_inputs,
+    rotation_copies,
+    time_rotated,
+    time_rotated_into,
+)
 from vllm_router_ext.ops import router_gemm  # noqa: E402
 from vllm_router_ext.ops.dispatch import run_config  # noqa: E402
 from vllm_router_ext.ops.reference import changed_expert_sets, select_experts  # noqa: E402
@@ -171,12 +177,7 @@ def rel_err(c, x, w, ref) -> float:
 def time_cands(label, cands, m, shape, refs_fns, results, limit=1e-6):
     xs, ws = make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m)
     ref = xs[0].double() @ ws[0].double().T
-    refs = {
-        name: time_graph(
-            [lambda x=x, w=w, fn=fn: fn(x, w) for x, w in zip(xs, ws, strict=True)], warmup=10, rep=30
-        )
-        for name, fn in refs_fns.items()
-    }
+    refs = {name: time_rotated(fn, xs, ws, warmup=10, rep=30) for name, fn in refs_fns.items()}
     rows = []
     for c in cands:
         try:
@@ -184,9 +185,7 @@ def time_cands(label, cands, m, shape, refs_fns, results, limit=1e-6):
         except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
             print(f"  skip {describe(c)}: {type(e).__name__}: {str(e)[:100]}", flush=True)
             continue
-        outs = [torch.empty(x.shape[0], w.shape[0], device="cuda") for x, w in zip(xs, ws, strict=True)]
-        calls = [lambda c=c, x=x, w=w, o=o: run(c, x, w, o) for x, w, o in zip(xs, ws, outs, strict=True)]
-        us = time_graph(calls, warmup=10, rep=30)
+        us = time_rotated_into(lambda x, w, o, c=c: run(c, x, w, o), xs, ws, warmup=10, rep=30)
         rows.append({"cand": describe(c), "us": us, "err": err, "accurate": err <= limit})
     rows.sort(key=lambda r: r["us"])
     print(f"{label}: " + "  ".join(f"{k} {v:.2f}" for k, v in refs.items()), flush=True)

@@ -26,7 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from csrc_triton.dot import promoted_group  # noqa: E402
 from csrc_triton.router_gemm_splitk import finish_split  # noqa: E402
-from vllm_router_ext.benchmarking import SHAPES, make_inputs, rotation_copies, time_graph  # noqa: E402
+from vllm_router_ext.benchmarking import (  # noqa: E402
+    SHAPES,
+    make_inputs,
+    rotation_copies,
+    time_rotated,
+    time_rotated_into,
+)
 from vllm_router_ext.ops import router_gemm  # noqa: E402
 
 FRAC_BITS = 36
@@ -112,36 +118,19 @@ def main() -> int:
         for m in (int(v) for v in args.ms.split(",")):
             xs, ws = make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m)
             ref = xs[0].double() @ ws[0].double().T
-            cub = time_graph(
-                [
-                    lambda x=x, w=w: torch.mm(x, w.T, out_dtype=torch.float32)
-                    for x, w in zip(xs, ws, strict=True)
-                ]
-            )
-            disp = time_graph(
-                [lambda x=x, w=w: router_gemm(x, w, "bf16-fp32out") for x, w in zip(xs, ws, strict=True)]
-            )
-            bi = time_graph(
-                [
-                    lambda x=x, w=w: router_gemm(x, w, "bf16-fp32out", batch_invariant=True)
-                    for x, w in zip(xs, ws, strict=True)
-                ]
-            )
+            cub = time_rotated(lambda x, w: torch.mm(x, w.T, out_dtype=torch.float32), xs, ws)
+            disp = time_rotated(lambda x, w: router_gemm(x, w, "bf16-fp32out"), xs, ws)
+            bi = time_rotated(lambda x, w: router_gemm(x, w, "bf16-fp32out", batch_invariant=True), xs, ws)
             line = f"{shape.name} M={m}: cuBLAS {cub:.2f} dispatch {disp:.2f} BI {bi:.2f} |"
             for bm, bn, bk, kps, warps in tiles:
-                outs = [torch.empty(m, shape.n, device="cuda") for _ in xs]
                 res = {}
                 for reduce, name in ((0, "none"), (1, "ticket"), (2, "fixed")):
                     o = torch.full((m, shape.n), float("nan"), device="cuda")
                     launch(xs[0], ws[0], o, bm, bn, bk, kps, reduce, warps)
                     launch(xs[0], ws[0], o, bm, bn, bk, kps, reduce, warps)  # reset state reused
                     err = ((o.double() - ref).norm() / ref.norm()).item() if reduce else 0.0
-                    t = time_graph(
-                        [
-                            lambda x=x, w=w, o=o2, c=(bm, bn, bk, kps, reduce, warps): launch(x, w, o, *c)
-                            for x, w, o2 in zip(xs, ws, outs, strict=True)
-                        ]
-                    )
+                    c = (bm, bn, bk, kps, reduce, warps)
+                    t = time_rotated_into(lambda x, w, o, c=c: launch(x, w, o, *c), xs, ws)
                     res[name] = (t, err)
                 line += f" {bm}x{bn}x{bk}: " + " ".join(f"{k} {t:.2f}({e:.0e})" for k, (t, e) in res.items())
                 rows.append(dict(shape=shape.name, m=m, tile=[bm, bn, bk, kps, warps], cublas=cub, res=res))

@@ -27,7 +27,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from csrc_triton.router_gemm_tiled import grouped_tile  # noqa: E402
-from vllm_router_ext.benchmarking import SHAPES, make_inputs, rotation_copies, time_graph  # noqa: E402
+from vllm_router_ext.benchmarking import (  # noqa: E402
+    SHAPES,
+    make_inputs,
+    rotation_copies,
+    time_rotated,
+    time_rotated_into,
+)
 from vllm_router_ext.ops import router_gemm  # noqa: E402
 
 SHAPE = {s.name: s for s in SHAPES}
@@ -147,24 +153,14 @@ def main() -> int:
             "ours fp32": lambda x, w: router_gemm(x, w, "fp32"),
             "ours BI bf16-fp32out": lambda x, w: router_gemm(x, w, "bf16-fp32out", batch_invariant=True),
         }
-        timed = {
-            k: time_graph(
-                [lambda x=x, w=w, f=f: f(x, w) for x, w in zip(xs, ws_, strict=True)], warmup=10, rep=30
-            )
-            for k, f in refs.items()
-        }
+        timed = {k: time_rotated(f, xs, ws_, warmup=10, rep=30) for k, f in refs.items()}
         print(f"DeepSeek-V3 M={m}: " + "  ".join(f"{k} {v:.2f}" for k, v in timed.items()), flush=True)
         rows = []
         for c in cands:
             try:
                 out = c(xs[0], ws_[0], torch.full((m, shape.n), float("nan"), device="cuda"))
                 err = ((out.double() - ref).norm() / ref.norm()).item()
-                outs = [torch.empty(m, shape.n, device="cuda") for _ in xs]
-                us = time_graph(
-                    [lambda c=c, x=x, w=w, o=o: c(x, w, o) for x, w, o in zip(xs, ws_, outs, strict=True)],
-                    warmup=10,
-                    rep=30,
-                )
+                us = time_rotated_into(c, xs, ws_, warmup=10, rep=30)
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"    skip {c.describe()}: {type(e).__name__}: {str(e)[:160]}", flush=True)
                 continue

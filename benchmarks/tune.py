@@ -34,7 +34,14 @@ from csrc_triton.configs import (  # noqa: E402
     pipelined_splitk_config,
     splitk_config,
 )
-from vllm_router_ext.benchmarking import M_LIST, SHAPES, make_inputs, rotation_copies, time_graph  # noqa: E402
+from vllm_router_ext.benchmarking import (  # noqa: E402
+    M_LIST,
+    SHAPES,
+    make_inputs,
+    rotation_copies,
+    time_rotated,
+    time_rotated_into,
+)
 from vllm_router_ext.ops.dispatch import dot_mode_for, run_config  # noqa: E402
 
 GEMV_MAX_M = 16
@@ -159,11 +166,7 @@ def _check(cfg: KernelConfig, x, w, mode: str) -> bool:
 
 def time_config(cfg: KernelConfig, xs, ws, mode: str) -> float:
     dot_mode = dot_mode_for(xs[0].dtype, ws[0].dtype)
-    outs = [torch.empty((x.shape[0], w.shape[0]), device="cuda") for x, w in zip(xs, ws, strict=True)]
-    calls = [
-        lambda x=x, w=w, o=o: run_config(cfg, x, w, o, dot_mode) for x, w, o in zip(xs, ws, outs, strict=True)
-    ]
-    return time_graph(calls, warmup=10, rep=40)
+    return time_rotated_into(lambda x, w, o: run_config(cfg, x, w, o, dot_mode), xs, ws, warmup=10, rep=40)
 
 
 #: The fp32 mode's tiled kernel never won below this M on the H200 (tune-h200-976dd63.log and later
@@ -284,13 +287,12 @@ def _bi_config(structure: tuple, tiles: tuple, mode: str) -> KernelConfig | None
 def _fastest_non_invariant(shape, mode: str, m: int, xs, ws) -> float:
     from vllm_router_ext.ops.router_gemm import router_gemm
 
-    calls = [lambda x=x, w=w: router_gemm(x, w, mode) for x, w in zip(xs, ws, strict=True)]
-    t = time_graph(calls, warmup=10, rep=40)
+    t = time_rotated(lambda x, w: router_gemm(x, w, mode), xs, ws, warmup=10, rep=40)
     if mode == "bf16-fp32out":
-        calls = [
-            lambda x=x, w=w: torch.mm(x, w.T, out_dtype=torch.float32) for x, w in zip(xs, ws, strict=True)
-        ]
-        t = min(t, time_graph(calls, warmup=10, rep=40))
+        cublas = time_rotated(
+            lambda x, w: torch.mm(x, w.T, out_dtype=torch.float32), xs, ws, warmup=10, rep=40
+        )
+        t = min(t, cublas)
     return t
 
 

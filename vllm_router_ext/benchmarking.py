@@ -72,6 +72,18 @@ def time_graph(calls: list[Callable[[], object]], warmup: int = 25, rep: int = 1
     return ms * 1e3 / len(calls)
 
 
+def time_rotated(fn: Callable, xs, ws, warmup: int = 25, rep: int = 100) -> float:
+    """Median µs per call of ``fn(x, w)`` over the rotated copies (:func:`time_graph`)."""
+    return time_graph([lambda x=x, w=w: fn(x, w) for x, w in zip(xs, ws, strict=True)], warmup, rep)
+
+
+def time_rotated_into(fn: Callable, xs, ws, warmup: int = 25, rep: int = 100) -> float:
+    """The same for ``fn(x, w, out)``: one fp32 ``out`` per copy, allocated before the capture."""
+    outs = [torch.empty(x.shape[0], w.shape[0], device=x.device) for x, w in zip(xs, ws, strict=True)]
+    calls = [lambda x=x, w=w, o=o: fn(x, w, o) for x, w, o in zip(xs, ws, outs, strict=True)]
+    return time_graph(calls, warmup, rep)
+
+
 def floor_us(m: int, k: int, n: int, bandwidth_tbs: float = 4.3) -> float:
     """Bytes (bf16 weight + bf16 activations + fp32 logits) over the measured copy bandwidth."""
     return ((n * k + m * k) * 2 + m * n * 4) / (bandwidth_tbs * 1e12) * 1e6
