@@ -77,8 +77,14 @@ BIG_SPLITK = [  # (block_m, block_n, k_per_split, num_warps): software-pipelined
 #: Pipelined split-K with 128-wide chunks (the fp32 mode's winner at 256 tokens in the promotion
 #: probe, below cuBLAS bf16; in bf16-fp32out cuBLAS still won at 128-512 tokens on DeepSeek-V3 and
 #: Kimi-K2: tune-h200-d8edcfa-bf16-bk128.log); in the fp32 mode two chunks per stage, so only 64x64
-#: tiles fit three stages.
-BIG_SPLITK_BK128 = [(64, 64, 1024, 4), (64, 64, 2048, 4)]
+#: tiles fit three stages and 128x64 / 64x128 two. (block_m, block_n, k_per_split, num_warps, stages)
+BIG_SPLITK_BK128 = [
+    (64, 64, 1024, 4, 3),
+    (64, 64, 2048, 4, 3),
+    (128, 64, 1024, 4, 2),
+    (64, 128, 1024, 4, 2),
+    (128, 64, 2048, 4, 2),
+]
 #: fp32 mode only, from 1024 tokens: one program per tile, flat pipelined loop over K, the promoted
 #: chains added per split of 512 (the batch-invariant large-M kernel: at 2048-4096 tokens it beat
 #: the non-invariant fp32 configs in tune-h200-0e776fd-fp32.log, and at 16384 the tiled kernel in
@@ -117,7 +123,10 @@ def splitk_candidates(m: int, mode: str) -> list[KernelConfig]:
         ]
     if m >= 128:
         out += [pipelined_splitk_config(bm, bn, kps, mode, warps) for bm, bn, kps, warps in BIG_SPLITK]
-        out += [pipelined_splitk_config(*c[:3], mode, c[3], block_k=128) for c in BIG_SPLITK_BK128]
+        out += [
+            pipelined_splitk_config(bm, bn, kps, mode, warps, block_k=128, num_stages=stages)
+            for bm, bn, kps, warps, stages in BIG_SPLITK_BK128
+        ]
     if mode == "fp32" and m >= 1024:
         out += [
             splitk_config(bm, bn, 128, 512, mode, warps, num_stages=3, splits_in_program=True)
@@ -229,6 +238,8 @@ BI_TILES = [
     (128, 64, 4, 3, "split", None),
     (64, 128, 4, 3, "split", None),
     (128, 128, 8, 3, "split", None),
+    (128, 64, 4, 2, "split", None),  # fp32 mode: 128-wide chunks fit 128-row tiles in 2 stages only
+    (64, 128, 4, 2, "split", None),
     (128, 64, 4, 3, "ticket", None),
     (64, 128, 4, 3, "program", None),
     (128, 64, 4, 3, "program", None),

@@ -126,10 +126,16 @@ def splitk_config(
 
 
 def pipelined_splitk_config(
-    block_m: int, block_n: int, k_per_split: int, mode: str, num_warps: int, block_k: int = 64
+    block_m: int,
+    block_n: int,
+    k_per_split: int,
+    mode: str,
+    num_warps: int,
+    block_k: int = 64,
+    num_stages: int = 3,
 ) -> KernelConfig:
-    """A split-K config with large tiles and a software-pipelined K loop (3 stages)."""
-    return splitk_config(block_m, block_n, block_k, k_per_split, mode, num_warps, num_stages=3)
+    """A split-K config with large tiles and a software-pipelined K loop."""
+    return splitk_config(block_m, block_n, block_k, k_per_split, mode, num_warps, num_stages=num_stages)
 
 
 #: Batch-invariant heuristic: above this M, a tile's splits run in one program (same sums).
