@@ -18,7 +18,9 @@ upper bound when the kernel ahead of us does the same; not a fair standalone num
 Timed two ways, against cuBLAS in the same run: the standalone chain of the benchmark (R calls
 back to back, weights rotated), and each call behind a predecessor kernel that writes its ``x``
 (a torch elementwise kernel, not PDL-aware: what the router sees in vLLM after RMSNorm),
-reported as (pair - predecessor alone). Not used by the plugin.
+reported as (pair - predecessor alone). ``--context`` times the public op in every fp32-logit mode
+that way instead (no PDL): do the standalone ratios to cuBLAS hold behind a producer kernel?
+Not used by the plugin.
 """
 
 from __future__ import annotations
@@ -117,11 +119,15 @@ def gemv_pdl(x, w, out, variant: int, block_m: int, block_n: int, num_warps: int
     return out
 
 
-def shipped_gemv(shape_k: int, shape_n: int, m: int):
+def shipped_config(shape_k: int, shape_n: int, m: int):
     from csrc_triton.configs import select_config
 
     cfg = select_config(m, shape_k, shape_n, "bf16-fp32out", False, "NVIDIA H200", 132, cublas=True)
     return cfg
+
+
+def _op(x, w, o, *, mode: str, batch_invariant: bool):
+    return router_gemm(x, w, RouterPrecision(mode), batch_invariant=batch_invariant)
 
 
 def _variant(x, w, o, *, v, bm, bn, nw):
@@ -151,6 +157,7 @@ def main() -> int:
     ap.add_argument("--out", default="probe-pdl-out")
     ap.add_argument("--m", default="1,2,4,8,16")
     ap.add_argument("--shapes", default="DeepSeek-V3,Kimi-K2,DeepSeek-V2-Lite")
+    ap.add_argument("--context", action="store_true", help="the op's modes behind a producer, no PDL")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -159,28 +166,33 @@ def main() -> int:
     for name in args.shapes.split(","):
         shape = shapes[name]
         for m in [int(v) for v in args.m.split(",")]:
-            cfg = shipped_gemv(shape.k, shape.n, m)
-            if cfg.kernel != "gemv":
+            cfg = shipped_config(shape.k, shape.n, m)
+            if cfg.kernel != "gemv" and not args.context:
                 print(f"{name} M={m}: table picks {cfg.kernel}, skipped")
                 continue
-            p = dict(cfg.params)
-            bm, bn, nw = p["block_m"], p["block_n"], p["num_warps"]
             copies = rotation_copies(m, shape.k, shape.n)
             xs, ws = make_inputs(m, shape.k, shape.n, copies)
             srcs = [torch.randn_like(x) for x in xs]
             outs = [torch.empty(m, shape.n, device="cuda") for _ in xs]
-            methods = {
-                "cuBLAS": lambda x, w, o: torch.mm(x, w.T, out_dtype=torch.float32),
-                "op": lambda x, w, o: router_gemm(x, w, RouterPrecision.BF16_FP32OUT),
-            }
-            for vname, v in VARIANTS.items():
-                methods[vname] = functools.partial(_variant, v=v, bm=bm, bn=bn, nw=nw)
-            row = {"shape": name, "m": m, "config": p}
+            methods = {"cuBLAS": lambda x, w, o: torch.mm(x, w.T, out_dtype=torch.float32)}
+            if args.context:
+                for mode in ("bf16-fp32out", "fp32"):
+                    for bi in (False, True):
+                        key = f"{'BI ' if bi else ''}{mode}"
+                        methods[key] = functools.partial(_op, mode=mode, batch_invariant=bi)
+            else:
+                p = dict(cfg.params)
+                methods["op"] = functools.partial(_op, mode="bf16-fp32out", batch_invariant=False)
+                for vname, v in VARIANTS.items():
+                    methods[vname] = functools.partial(
+                        _variant, v=v, bm=p["block_m"], bn=p["block_n"], nw=p["num_warps"]
+                    )
+            row = {"shape": name, "m": m, "config": cfg.describe()}
             for meth, fn in methods.items():
                 row[meth] = measure(fn, xs, ws, outs, srcs)
                 r = row[meth]
                 print(
-                    f"{name:17s} M={m:3d} {meth:8s} err {r['err']:.1e}  alone {r['alone_us']:6.2f} µs  "
+                    f"{name:17s} M={m:4d} {meth:16s} err {r['err']:.1e}  alone {r['alone_us']:6.2f} µs  "
                     f"behind a copy {r['behind_copy_us']:6.2f} µs (copy {r['copy_us']:.2f})",
                     flush=True,
                 )
