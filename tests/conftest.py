@@ -77,7 +77,15 @@ def run_offline(tmp_path):
     from vllm_router_ext.testing.server import cpu_env
 
     def run(
-        model: Path, *, additional_config=None, hf_overrides=None, tp=1, env=None, compile=False, timeout=600
+        model: Path,
+        *,
+        additional_config=None,
+        hf_overrides=None,
+        tp=1,
+        env=None,
+        compile=False,
+        speculative_config=None,
+        timeout=600,
     ):
         out = tmp_path / f"probe-{len(list(tmp_path.glob('probe-*')))}.pt"
         e = cpu_env(tmp_path)
@@ -99,6 +107,7 @@ def run_offline(tmp_path):
             "--tp",
             str(tp),
             *(["--compile"] if compile else []),
+            *(["--speculative-config", json.dumps(speculative_config)] if speculative_config else []),
         ]
         p = subprocess.run(cmd, env=e, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
         log = p.stdout + p.stderr

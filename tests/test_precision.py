@@ -73,7 +73,14 @@ def test_moe_router_dtype_beats_architecture_table():
 
 @pytest.mark.parametrize(
     "arch",
-    ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"],
+    [
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV32ForCausalLM",
+        "GlmMoeDsaForCausalLM",
+        "DeepSeekMTPModel",  # MTP drafts route like their target
+        "DeepseekV32MTPModel",
+    ],
 )
 def test_architecture_table(arch):
     p, src, from_auto, _ = resolve_router_precision(architecture=arch)

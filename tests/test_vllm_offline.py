@@ -30,12 +30,14 @@ def _score_margin(mode: str, max_abs_logit: float) -> float:
     return 1e-5 * max_abs_logit / 4 + 1e-7
 
 
-def _check_gate_records(result, model_dir, mode):
-    """Logits vs fp64 and vLLM's chosen experts vs the fp64 reference, token by token."""
+def _check_gate_records(result, model_dir, mode, model="target"):
+    """Logits vs fp64 and vLLM's chosen experts vs the fp64 reference, token by token
+    (``model="draft"``: the speculative-decoding draft's gates)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     routing = RoutingConfig.from_hf_config(cfg)
-    gate = {g["name"]: g for g in result["gates"][0]}
-    records = result["records"]
+    prefix = "draft_" if model == "draft" else ""
+    gate = {g["name"]: g for g in result[f"{prefix}gates"][0]}
+    records = result[f"{prefix}records"]
     gate_recs = [r for r in records if r["kind"] == "gate"]
     router_recs = [r for r in records if r["kind"] == "router"]
     assert gate_recs and len(gate_recs) == len(router_recs)
@@ -134,3 +136,28 @@ def test_torch_compile_mode(tiny_model, run_offline, mode):
     assert g["class"] == "RouterGateLinear" and g["precision"] == mode and g["out_dtype"] == "torch.float32"
     assert all(len(t) > 0 for t in result["texts"])
     assert "compiled function" in result["log"], "the model was not compiled"
+
+
+def test_mtp_draft_routes_with_the_targets_precision(tmp_path, run_offline):
+    """Speculative decoding with DeepSeek's MTP layer: the draft model has a router gate of its
+    own, and it must route like the target (here ``auto``: fp32 logits for both), not on vLLM's
+    bf16 logits."""
+    from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
+
+    model = build_tiny_deepseek_v3(tmp_path / "mtp", seed=5, mtp_layers=1)
+    result = run_offline(model, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1})
+    assert all(len(t) > 0 for t in result["texts"])
+    (target,) = result["gates"][0]
+    (draft,) = result["draft_gates"][0]
+    assert draft["name"] == "model.layers.2.mtp_block.mlp.gate"
+    assert draft["model_class"] == "vllm_router_ext.models.deepseek_v2.DeepSeekMTPModel"
+    for g in (target, draft):
+        assert g["class"] == "RouterGateLinear"
+        assert g["precision"] == "bf16-fp32out" and g["source"] == "auto: architecture DeepseekV3ForCausalLM"
+        assert g["out_dtype"] == "torch.float32" and g["bias_dtype"] == "torch.float32"
+    _check_gate_records(result, model, "bf16-fp32out")
+    _check_gate_records(result, model, "bf16-fp32out", model="draft")
+    lines = [ln for ln in result["log"].splitlines() if "vllm-router-ext: router precision" in ln]
+    assert len(lines) == 2, lines
+    assert any("1 gate(s) in DeepseekV3ForCausalLM" in ln for ln in lines)
+    assert any("1 gate(s) in DeepSeekMTPModel" in ln for ln in lines)

@@ -50,7 +50,9 @@ def test_register_is_idempotent_and_replaces_gate_linear(vllm_dist):
 def test_model_registry_points_deepseek_family_to_override(vllm_dist):
     from vllm import ModelRegistry
 
-    for arch in ("DeepseekForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+    family = ("DeepseekForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+    mtp_drafts = ("DeepSeekMTPModel", "DeepseekV32MTPModel")  # speculative decoding's drafts
+    for arch in family + mtp_drafts:
         entry = ModelRegistry.models[arch]
         assert entry.module_name == "vllm_router_ext.models.deepseek_v2" and entry.class_name == arch
     # Other MoE families are not ours.
@@ -61,6 +63,9 @@ def test_model_registry_points_deepseek_family_to_override(vllm_dist):
 
     cls = override.DeepseekV3ForCausalLM
     assert issubclass(cls, InTree) and cls.__mro__[1] is override.RouterPrecisionMixin
+    from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP
+
+    assert issubclass(override.DeepSeekMTPModel, DeepSeekMTP)
 
 
 def test_gate_outside_the_override_is_stock_vllm(vllm_dist, gen):

@@ -1,9 +1,10 @@
 """Run one offline ``vllm.LLM`` scenario and save what the gates did, for the tests.
 
     python -m vllm_router_ext.testing.offline_probe MODEL_DIR OUT.pt [--additional-config JSON]
-        [--tp N] [--hf-overrides JSON] [--max-tokens N]
+        [--tp N] [--hf-overrides JSON] [--max-tokens N] [--speculative-config JSON]
 
-Saves ``{"texts", "gates": [per-rank gate summaries], "records": [rank-0 gate/router records]}``.
+Saves ``{"texts", "gates": [per-rank gate summaries], "records": [rank-0 gate/router records]}``;
+with a speculative config also ``"draft_gates"`` and ``"draft_records"`` (the draft model's).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=6)
     p.add_argument("--compile", action="store_true", help="torch.compile the model (vLLM's default)")
+    p.add_argument("--speculative-config", default=None, help="e.g. an MTP draft (JSON)")
     args = p.parse_args(argv)
 
     import torch
@@ -46,12 +48,21 @@ def main(argv: list[str] | None = None) -> int:
         additional_config=json.loads(args.additional_config),
         hf_overrides=json.loads(args.hf_overrides),
         seed=0,
+        speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
     )
+    draft = args.speculative_config is not None
     gates = llm.apply_model(probes.gate_summary)
     llm.apply_model(probes.install_gate_recorders)
+    saved = {"gates": gates}
+    if draft:
+        saved["draft_gates"] = llm.collective_rpc(probes.draft_gate_summary)
+        llm.collective_rpc(probes.install_draft_gate_recorders)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=args.max_tokens, temperature=0))
-    records = llm.apply_model(probes.collect_gate_records)[0]
-    torch.save({"texts": [o.outputs[0].text for o in outs], "gates": gates, "records": records}, args.out)
+    saved["texts"] = [o.outputs[0].text for o in outs]
+    saved["records"] = llm.apply_model(probes.collect_gate_records)[0]
+    if draft:
+        saved["draft_records"] = llm.collective_rpc(probes.collect_draft_gate_records)[0]
+    torch.save(saved, args.out)
     # Stop the engine (and its workers) now, then skip interpreter teardown: with TP=2 on the CPU,
     # a C++ thread left in this process once aborted teardown after a complete run ("terminate called
     # without an active exception", exit -6, CI 2026-11-30); everything the tests read is saved.

@@ -73,3 +73,21 @@ def install_gate_recorders(model: torch.nn.Module) -> int:
 
 def collect_gate_records(model: torch.nn.Module) -> list[dict[str, Any]]:
     return list(getattr(model, _RECORD_ATTR, []))
+
+
+# The speculative-decoding draft (e.g. DeepSeek's MTP layer) is not what ``apply_model`` sees:
+# these run through ``LLM.collective_rpc`` on the worker and reach its model runner's drafter.
+def _draft_model(worker: Any) -> torch.nn.Module:
+    return worker.model_runner.drafter.model
+
+
+def draft_gate_summary(worker: Any) -> list[dict[str, Any]]:
+    return gate_summary(_draft_model(worker))
+
+
+def install_draft_gate_recorders(worker: Any) -> int:
+    return install_gate_recorders(_draft_model(worker))
+
+
+def collect_draft_gate_records(worker: Any) -> list[dict[str, Any]]:
+    return collect_gate_records(_draft_model(worker))

@@ -77,11 +77,8 @@ def _tensors(cfg: dict, gen: torch.Generator, gate_dtype: torch.dtype) -> dict[s
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, dtype=bf16)
 
-    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(V, H) * 16}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = ones(H)
-        t[p + "post_attention_layernorm.weight"] = ones(H)
+    def decoder_layer(p: str, dense: bool) -> dict[str, torch.Tensor]:
+        t = {p + "input_layernorm.weight": ones(H), p + "post_attention_layernorm.weight": ones(H)}
         a = p + "self_attn."
         t[a + "q_a_proj.weight"] = rand(cfg["q_lora_rank"], H)
         t[a + "q_a_layernorm.weight"] = ones(cfg["q_lora_rank"])
@@ -93,11 +90,11 @@ def _tensors(cfg: dict, gen: torch.Generator, gate_dtype: torch.dtype) -> dict[s
         )
         t[a + "o_proj.weight"] = rand(H, heads * cfg["v_head_dim"])
         m = p + "mlp."
-        if i < cfg["first_k_dense_replace"]:
+        if dense:
             t[m + "gate_proj.weight"] = rand(cfg["intermediate_size"], H)
             t[m + "up_proj.weight"] = rand(cfg["intermediate_size"], H)
             t[m + "down_proj.weight"] = rand(H, cfg["intermediate_size"])
-            continue
+            return t
         # Gate weights ~ N(0, 1/H): logits of O(1), so sigmoid scores sit close together and the
         # bf16-vs-fp32 choice of experts is visible even in a model this small.
         t[m + "gate.weight"] = rand(E, H, dtype=torch.float32).to(gate_dtype)
@@ -111,6 +108,23 @@ def _tensors(cfg: dict, gen: torch.Generator, gate_dtype: torch.dtype) -> dict[s
         t[m + "shared_experts.gate_proj.weight"] = rand(n_sh, H)
         t[m + "shared_experts.up_proj.weight"] = rand(n_sh, H)
         t[m + "shared_experts.down_proj.weight"] = rand(H, n_sh)
+        return t
+
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(V, H) * 16}
+    layers = cfg["num_hidden_layers"]
+    for i in range(layers):
+        t.update(decoder_layer(f"model.layers.{i}.", dense=i < cfg["first_k_dense_replace"]))
+    for i in range(layers, layers + cfg["num_nextn_predict_layers"]):
+        # DeepSeek-V3's multi-token-prediction (MTP) layer, under its checkpoint names: a MoE
+        # decoder layer (with its own router gate) plus the projections around it.
+        p = f"model.layers.{i}."
+        t.update(decoder_layer(p, dense=False))
+        t[p + "enorm.weight"] = ones(H)
+        t[p + "hnorm.weight"] = ones(H)
+        t[p + "eh_proj.weight"] = rand(H, 2 * H)
+        t[p + "shared_head.norm.weight"] = ones(H)
+        t[p + "shared_head.head.weight"] = rand(V, H)
+        t[p + "embed_tokens.weight"] = t["model.embed_tokens.weight"].clone()
     t["model.norm.weight"] = ones(H)
     t["lm_head.weight"] = rand(V, H)
     return t
@@ -153,13 +167,15 @@ def build_tiny_deepseek_v3(
     arch: str = "DeepseekV3ForCausalLM",
     config_overrides: dict | None = None,
     tensor_overrides: dict[str, torch.Tensor] | None = None,
+    mtp_layers: int = 0,
 ) -> Path:
-    """Write config.json, model.safetensors (+ index) and a tokenizer into ``out_dir``."""
+    """Write config.json, model.safetensors (+ index) and a tokenizer into ``out_dir``.
+    ``mtp_layers`` > 0 adds DeepSeek-V3's multi-token-prediction layers (speculative decoding)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = _config_dict(arch, config_overrides or {})
+    cfg = _config_dict(arch, {"num_nextn_predict_layers": mtp_layers, **(config_overrides or {})})
     gen = torch.Generator().manual_seed(seed)
     tensors = _tensors(cfg, gen, gate_dtype)
     tensors.update(tensor_overrides or {})
@@ -183,8 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out_dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gate-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--mtp-layers", type=int, default=0, help="multi-token-prediction layers (MTP)")
     args = p.parse_args(argv)
-    path = build_tiny_deepseek_v3(args.out_dir, seed=args.seed, gate_dtype=getattr(torch, args.gate_dtype))
+    path = build_tiny_deepseek_v3(
+        args.out_dir, seed=args.seed, gate_dtype=getattr(torch, args.gate_dtype), mtp_layers=args.mtp_layers
+    )
     print(f"tiny DeepSeek-V3 checkpoint written to {path}")
     return 0
 
