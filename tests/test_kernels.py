@@ -259,6 +259,87 @@ def test_batch_invariant_needle_through_a_fixed_point_table(gen, monkeypatch):
     assert "splits summed in one program from M=65 " in text
 
 
+def _small_gpu(monkeypatch):
+    """Emulate a GPU with little shared memory: any pipelined config or tile wider than 32 rows
+    raises Triton's OutOfResources before it launches, as a real one would at load time."""
+    from triton.runtime.errors import OutOfResources
+
+    import vllm_router_ext.ops.dispatch as d
+
+    real = d.run_config
+    tried: list[KernelConfig] = []
+
+    def run_config(cfg, *args):
+        tried.append(cfg)
+        p = cfg.params
+        if p.get("num_stages", 1) > 1 or p.get("block_m", 0) > 32:
+            raise OutOfResources(200_000, 101_376, "shared memory")
+        return real(cfg, *args)
+
+    monkeypatch.setattr(d, "run_config", run_config)
+    monkeypatch.setattr(d, "_FITTED", {})
+    return tried
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_a_config_this_gpu_cannot_hold_is_shrunk_not_fatal(gen, monkeypatch, caplog, batch_invariant):
+    """A table (or the heuristic) made on a GPU with more shared memory than this one: the op runs
+    the same sums in a smaller footprint, warns once, and remembers the shrink."""
+    import csrc_triton.configs as c
+    import vllm_router_ext.ops.dispatch as d
+
+    k, n = 512, 48
+    big = dict(kernel="splitk", block_m=64, block_n=32, block_k=32, k_per_split=128, promote_chunks=2)
+    big.update(num_warps=4, num_stages=3)
+    key = "fp32/batch_invariant" if batch_invariant else "fp32"
+    table = {"shapes": {f"{k}x{n}": {key: [{"max_m": None, **big}]}}}
+    monkeypatch.setattr(c, "load_table", lambda name: table)
+    x, w = _inputs(gen, 40, k, n)
+    original = KernelConfig("splitk", {p: v for p, v in big.items() if p != "kernel"})
+    expected = run_config(original, x, w, _poisoned(40, n, torch.float32), DOT_NATIVE)
+    tried = _small_gpu(monkeypatch)
+    with caplog.at_level("WARNING", logger=d.logger.name):
+        out = router_gemm_cuda(x, w, RouterPrecision.FP32, batch_invariant=batch_invariant)
+    assert torch.equal(out, expected)  # same BLOCK_K, K split, promotion: the same sums
+    assert relative_error(out, reference_logits(x, w)) <= 1e-6
+    # stages 3 -> 2 -> 1, then BLOCK_M 64 -> 32: four tries, three warnings naming both configs
+    assert [(t.params["num_stages"], t.params["block_m"]) for t in tried] == [
+        (3, 64), (2, 64), (1, 64), (1, 32),
+    ]  # fmt: skip
+    warnings = [r.getMessage() for r in caplog.records if "does not fit this GPU" in r.getMessage()]
+    assert len(warnings) == 3 and "num_stages=3" in warnings[0]
+    assert "out of resource: shared memory" in warnings[0]
+    caplog.clear()
+    tried.clear()
+    with caplog.at_level("WARNING", logger=d.logger.name):
+        again = router_gemm_cuda(x, w, RouterPrecision.FP32, batch_invariant=batch_invariant)
+    assert torch.equal(again, expected) and len(tried) == 1 and not caplog.records
+
+
+def test_shrinking_stops_where_nothing_is_left_to_shrink(gen, monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    import vllm_router_ext.ops.dispatch as d
+
+    cfg = KernelConfig("tiled", dict(TILED_PROMOTED.params, block_m=32, block_n=64, num_stages=2))
+    chain = [cfg]
+    while (smaller := d.shrink_config(chain[-1])) is not None:
+        chain.append(smaller)
+    assert [(c.params["num_stages"], c.params["block_m"], c.params["block_n"]) for c in chain] == [
+        (2, 32, 64), (1, 32, 64), (1, 32, 32), (1, 16, 32), (1, 16, 16),
+    ]  # fmt: skip
+    assert all(c.params["block_k"] == 32 and c.params["promote_chunks"] == 2 for c in chain)
+
+    def never_fits(cfg, *args):
+        raise OutOfResources(1, 0, "shared memory")
+
+    monkeypatch.setattr(d, "run_config", never_fits)
+    monkeypatch.setattr(d, "_FITTED", {})
+    x, w = _inputs(gen, 3, 512, 48)
+    with pytest.raises(OutOfResources):  # a GPU that holds not even the smallest tile: say so
+        router_gemm_cuda(x, w, RouterPrecision.FP32, batch_invariant=False)
+
+
 def test_heuristic_configs_are_well_formed():
     for m in (1, 4, 5, 16, 64, 65, 4096, 16384):
         for bi in (False, True):

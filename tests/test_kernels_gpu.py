@@ -212,3 +212,28 @@ def test_selfcheck_probes_every_batch_invariant_config_on_this_gpu(mode):
         probed = {config_for(row.expand(m, -1), w, prec, True) for m in sizes}
         assert used <= probed, (shape.name, sizes)
         check_batch_invariance(lambda x, w: router_gemm(x, w, mode, batch_invariant=True), w, sizes=sizes)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_a_table_entry_too_big_for_this_gpu_is_shrunk_to_the_same_sums(monkeypatch, batch_invariant):
+    """A config that needs more shared memory than the H200 has (as an H200 table would on a
+    GPU with less): the op shrinks it (stages, then tiles) instead of failing, and the logits are
+    bitwise those of a config that fits with the same K structure."""
+    import csrc_triton.configs as c
+    import vllm_router_ext.ops.dispatch as d
+
+    shape = SHAPES[0]
+    big = dict(block_m=128, block_n=128, block_k=128, k_per_split=512, promote_chunks=2, num_warps=8)
+    big["num_stages"] = 4  # fp32 mode: two 128-wide chunks per stage, 4 x 128 KB of shared memory
+    key = "fp32/batch_invariant" if batch_invariant else "fp32"
+    table = {"shapes": {f"{shape.k}x{shape.n}": {key: [{"max_m": None, "kernel": "splitk", **big}]}}}
+    monkeypatch.setattr(c, "load_table", lambda name: table)
+    monkeypatch.setattr(d, "_FITTED", {})
+    x, w = _xw(300, shape)
+    out = router_gemm(x, w, RouterPrecision.FP32, batch_invariant=batch_invariant)
+    (fitted,) = d._FITTED.values()
+    assert fitted.params["block_k"] == 128 and fitted.params["k_per_split"] == 512
+    fits = KernelConfig("splitk", dict(big, block_m=64, block_n=64, num_stages=1))
+    ref = run_config(fits, x, w, torch.full_like(out, float("nan")), dot_mode_for(x.dtype, w.dtype))
+    assert torch.equal(out, ref)
+    assert _rel(out, x, w) <= 1e-6

@@ -13,10 +13,18 @@
 from __future__ import annotations
 
 import functools
+import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_router_ext.precision import RouterPrecision
+
+if TYPE_CHECKING:
+    from csrc_triton.configs import KernelConfig
+
+# Under "vllm." so that, inside vLLM, its handlers and format apply (no vLLM import here).
+logger = logging.getLogger(f"vllm.{__name__}")
 
 
 def dot_mode_for(x_dtype: torch.dtype, w_dtype: torch.dtype) -> int:
@@ -98,7 +106,58 @@ def router_gemm_cuda(
     if cfg.kernel == "cublas":
         return _cublas(x, weight, out_dtype)  # allocates its own output
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=out_dtype, device=x.device)
-    return run_config(cfg, x, weight, out, dot_mode_for(x.dtype, weight.dtype))
+    return run_fitting_config(cfg, x, weight, out, dot_mode_for(x.dtype, weight.dtype))
+
+
+def shrink_config(cfg: KernelConfig) -> KernelConfig | None:
+    """The same sums in a smaller on-chip footprint, or None: one software-pipeline stage fewer,
+    else the larger of BLOCK_M / BLOCK_N halved (down to 16). BLOCK_K, the K split, the promotion
+    and the order of the split sum stay, so every logit is the same sum of the same products."""
+    from csrc_triton.configs import KernelConfig
+
+    p = dict(cfg.params)
+    if p.get("num_stages", 1) > 1:
+        p["num_stages"] -= 1
+    elif max(p.get("block_m", 0), p.get("block_n", 0)) > 16:
+        p["block_m" if p["block_m"] >= p["block_n"] else "block_n"] //= 2
+    else:
+        return None
+    return KernelConfig(cfg.kernel, p, f"{cfg.source}, shrunk to fit this GPU")
+
+
+#: (device index, config) -> the config that ran instead: each shrink is found once per process.
+_FITTED: dict[tuple[int | None, KernelConfig], KernelConfig] = {}
+
+
+def run_fitting_config(
+    cfg: KernelConfig, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, dot_mode: int
+) -> torch.Tensor:
+    """:func:`run_config`, except that a config this GPU cannot hold (Triton's OutOfResources,
+    raised before the launch: e.g. a GPU with less shared memory than the one a table or the
+    heuristic was made for) is replaced by :func:`shrink_config`'s, with one warning, instead of
+    failing a serving step. Batch invariance is unaffected: the start-up self-check runs every
+    bucket's config, so a shrink happens (and is checked bitwise) before the first request."""
+    from triton.runtime.errors import OutOfResources
+
+    key = (x.device.index, cfg)
+    fitted = _FITTED.get(key, cfg) if _FITTED else cfg  # no hashing on the common path
+    while True:
+        try:
+            result = run_config(fitted, x, weight, out, dot_mode)
+        except OutOfResources as e:
+            smaller = shrink_config(fitted)
+            if smaller is None:
+                raise
+            logger.warning(
+                "vllm-router-ext: %s does not fit this GPU (%s); running %s instead",
+                fitted.describe(),
+                str(e).split(". ")[0],
+                smaller.describe(),
+            )
+            fitted = smaller
+            _FITTED[key] = fitted
+            continue
+        return result
 
 
 def _batch_invariant_buckets(k: int, n: int, precision: RouterPrecision, name: str, sms: int) -> list:
