@@ -1,0 +1,58 @@
+"""Host-side cost of one router GEMM call (eager mode, no CUDA graph): what a step pays in Python
+and launch overhead when the op runs outside a captured graph (e.g. prefill above vLLM's capture
+sizes). Times N back-to-back calls without synchronising, against ``torch.mm(out_dtype=fp32)``;
+if the host time per call exceeds the GPU time, the call is host-bound.
+
+    python benchmarks/probe_host_overhead.py [--n 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_router_ext.ops import router_gemm  # noqa: E402
+
+
+def host_us(fn, n: int) -> tuple[float, float]:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    total = (time.perf_counter() - t0) / n * 1e6
+    return host, total
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=2000)
+    args = ap.parse_args()
+    k, n = 7168, 256
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    print("DeepSeek-V3 gate, eager calls: host µs per call / wall µs per call (incl. GPU)")
+    for m in (1, 16, 256, 4096):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        methods = {
+            "torch.mm out fp32": lambda: torch.mm(x, w.T, out_dtype=torch.float32),
+            "op bf16-fp32out": lambda: router_gemm(x, w, "bf16-fp32out"),
+            "op fp32": lambda: router_gemm(x, w, "fp32"),
+            "op BI fp32": lambda: router_gemm(x, w, "fp32", batch_invariant=True),
+        }
+        for name, fn in methods.items():
+            host, total = host_us(fn, args.n)
+            print(f"  M={m:5d} {name:18s} host {host:6.1f}  wall {total:6.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
