@@ -57,6 +57,7 @@ class KernelConfig:
         return hash((self.kernel, tuple(sorted(self.params.items())), self.source))
 
 
+@functools.cache  # called on every dispatch (the config's source note): keep it off the host path
 def device_key(name: str) -> str:
     """File-name key of a GPU: 'NVIDIA H200' -> 'nvidia_h200'."""
     return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
