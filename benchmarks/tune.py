@@ -79,6 +79,7 @@ BIG_SPLITK = [  # (block_m, block_n, k_per_split, num_warps): software-pipelined
 #: Kimi-K2: tune-h200-d8edcfa-bf16-bk128.log); in the fp32 mode two chunks per stage, so only 64x64
 #: tiles fit three stages and 128x64 / 64x128 two. (block_m, block_n, k_per_split, num_warps, stages)
 BIG_SPLITK_BK128 = [
+    (64, 64, 512, 4, 3),
     (64, 64, 1024, 4, 3),
     (64, 64, 2048, 4, 3),
     (128, 64, 1024, 4, 2),
