@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from csrc_triton import cdiv
 from csrc_triton.router_gemm_splitk import finish_split, reduce_partials, split_workspace
 
 
@@ -107,9 +108,9 @@ def gemv_launch(
     if M == 0:
         return out
     block_k = gemv_block_k(x, w, num_warps)
-    k_per_split = triton.cdiv(k_per_split if 0 < k_per_split < K else K, block_k) * block_k
-    split_k = triton.cdiv(K, k_per_split)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split_k)
+    k_per_split = cdiv(k_per_split if 0 < k_per_split < K else K, block_k) * block_k
+    split_k = cdiv(K, k_per_split)
+    grid = (cdiv(M, block_m), cdiv(N, block_n), split_k)
     part, tickets, use_ticket = split_workspace(out, split_k, grid[0] * grid[1], ticket)
     _gemv_kernel[grid](
         x,

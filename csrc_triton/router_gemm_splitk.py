@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from csrc_triton import cdiv
 from csrc_triton.dot import interpreting, mma, promoted_group
 
 #: Fixed-point split sum: a 64-bit word per logit = (arrival count << 59) + sum of biased partials.
@@ -377,13 +378,13 @@ def splitk_launch(
     if M == 0:
         return out
     assert k_per_split % (block_k * promote_chunks) == 0, "K_PER_SPLIT must hold whole promotions"
-    split_k = triton.cdiv(K, k_per_split)
+    split_k = cdiv(K, k_per_split)
     if fixed_point and split_k > FIXED_MAX_SPLITS:
         raise ValueError(
             f"fixed-point split sum: K={K} with k_per_split={k_per_split} gives {split_k} splits; "
             f"at most {FIXED_MAX_SPLITS} allowed (raise k_per_split)"
         )
-    grid = (triton.cdiv(N, block_n), 1 if splits_in_program else split_k, triton.cdiv(M, block_m))
+    grid = (cdiv(N, block_n), 1 if splits_in_program else split_k, cdiv(M, block_m))
     words = out
     if splits_in_program:
         part, tickets, use_ticket = out, out, False
@@ -433,7 +434,7 @@ def splitk_launch(
 def reduce_partials(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The two-launch form's second kernel: ``out = part[0] + part[1] + ... + part[S-1]``."""
     split_k, M, N = part.shape
-    _splitk_reduce_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](
+    _splitk_reduce_kernel[(cdiv(M * N, _REDUCE_BLOCK),)](
         part, out, M, N, part.stride(0), out.stride(0), SPLIT_K=split_k, BLOCK=_REDUCE_BLOCK, num_warps=4
     )
     return out

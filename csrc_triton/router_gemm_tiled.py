@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from csrc_triton import cdiv
 from csrc_triton.dot import interpreting, mma, promoted_group
 
 
@@ -92,7 +93,7 @@ def tiled_launch(
     N = w.shape[0]
     if M == 0:
         return out
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    grid = (cdiv(M, block_m) * cdiv(N, block_n),)
     _tiled_kernel[grid](
         x,
         w,
