@@ -138,14 +138,31 @@ def test_torch_compile_mode(tiny_model, run_offline, mode):
     assert "compiled function" in result["log"], "the model was not compiled"
 
 
-def test_mtp_draft_routes_with_the_targets_precision(tmp_path, run_offline):
+@pytest.mark.parametrize(
+    "extra,mode,source,bi",
+    [
+        ({}, "bf16-fp32out", "auto: architecture DeepseekV3ForCausalLM", False),
+        (
+            {"router_precision": "fp32", "router_batch_invariant": True},
+            "fp32",
+            "additional_config['router_precision']",
+            True,
+        ),
+    ],
+    ids=["auto", "fp32-batch-invariant"],
+)
+def test_mtp_draft_routes_with_the_targets_settings(tmp_path, run_offline, extra, mode, source, bi):
     """Speculative decoding with DeepSeek's MTP layer: the draft model has a router gate of its
-    own, and it must route like the target (here ``auto``: fp32 logits for both), not on vLLM's
-    bf16 logits."""
+    own, and it must route like the target (the same precision and batch invariance, fp32
+    logits), not on vLLM's bf16 logits. With batch invariance both models pass the start-up check."""
     from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
 
     model = build_tiny_deepseek_v3(tmp_path / "mtp", seed=5, mtp_layers=1)
-    result = run_offline(model, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1})
+    result = run_offline(
+        model,
+        additional_config=extra,
+        speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1},
+    )
     assert all(len(t) > 0 for t in result["texts"])
     (target,) = result["gates"][0]
     (draft,) = result["draft_gates"][0]
@@ -153,11 +170,13 @@ def test_mtp_draft_routes_with_the_targets_precision(tmp_path, run_offline):
     assert draft["model_class"] == "vllm_router_ext.models.deepseek_v2.DeepSeekMTPModel"
     for g in (target, draft):
         assert g["class"] == "RouterGateLinear"
-        assert g["precision"] == "bf16-fp32out" and g["source"] == "auto: architecture DeepseekV3ForCausalLM"
+        assert g["precision"] == mode and g["source"] == source
+        assert g["batch_invariant"] is bi
         assert g["out_dtype"] == "torch.float32" and g["bias_dtype"] == "torch.float32"
-    _check_gate_records(result, model, "bf16-fp32out")
-    _check_gate_records(result, model, "bf16-fp32out", model="draft")
+    _check_gate_records(result, model, mode)
+    _check_gate_records(result, model, mode, model="draft")
     lines = [ln for ln in result["log"].splitlines() if "vllm-router-ext: router precision" in ln]
     assert len(lines) == 2, lines
     assert any("1 gate(s) in DeepseekV3ForCausalLM" in ln for ln in lines)
     assert any("1 gate(s) in DeepSeekMTPModel" in ln for ln in lines)
+    assert all(f"batch-invariant {'on' if bi else 'off'}" in ln for ln in lines)
