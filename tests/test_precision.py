@@ -78,8 +78,9 @@ def test_moe_router_dtype_beats_architecture_table():
         "DeepseekV3ForCausalLM",
         "DeepseekV32ForCausalLM",
         "GlmMoeDsaForCausalLM",
-        "DeepSeekMTPModel",  # MTP drafts route like their target
+        "DeepSeekMTPModel",  # speculative-decoding drafts route like their target
         "DeepseekV32MTPModel",
+        "EagleDeepSeekMTPModel",
     ],
 )
 def test_architecture_table(arch):

@@ -180,3 +180,28 @@ def test_mtp_draft_routes_with_the_targets_settings(tmp_path, run_offline, extra
     assert any("1 gate(s) in DeepseekV3ForCausalLM" in ln for ln in lines)
     assert any("1 gate(s) in DeepSeekMTPModel" in ln for ln in lines)
     assert all(f"batch-invariant {'on' if bi else 'off'}" in ln for ln in lines)
+
+
+def test_eagle_draft_head_routes_with_the_targets_precision(tmp_path, run_offline):
+    """Speculative decoding with an EAGLE head of DeepSeek MoE layers (vLLM builds it as
+    ``EagleDeepSeekMTPModel``): its router gate runs the target's precision too."""
+    from vllm_router_ext.testing.tiny_checkpoint import (
+        build_tiny_deepseek_eagle_head,
+        build_tiny_deepseek_v3,
+    )
+
+    model = build_tiny_deepseek_v3(tmp_path / "target", seed=1)
+    head = build_tiny_deepseek_eagle_head(tmp_path / "eagle-head", seed=2)
+    result = run_offline(
+        model, speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 1}
+    )
+    assert all(len(t) > 0 for t in result["texts"])
+    (draft,) = result["draft_gates"][0]
+    assert draft["model_class"] == "vllm_router_ext.models.deepseek_v2.EagleDeepSeekMTPModel"
+    assert draft["class"] == "RouterGateLinear" and draft["precision"] == "bf16-fp32out"
+    assert draft["source"] == "auto: architecture DeepseekV3ForCausalLM"
+    assert draft["out_dtype"] == "torch.float32" and draft["bias_dtype"] == "torch.float32"
+    _check_gate_records(result, model, "bf16-fp32out")
+    _check_gate_records(result, head, "bf16-fp32out", model="draft")
+    lines = [ln for ln in result["log"].splitlines() if "vllm-router-ext: router precision" in ln]
+    assert any("1 gate(s) in EagleDeepSeekMTPModel" in ln for ln in lines), lines

@@ -51,8 +51,8 @@ def test_model_registry_points_deepseek_family_to_override(vllm_dist):
     from vllm import ModelRegistry
 
     family = ("DeepseekForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-    mtp_drafts = ("DeepSeekMTPModel", "DeepseekV32MTPModel")  # speculative decoding's drafts
-    for arch in family + mtp_drafts:
+    drafts = ("DeepSeekMTPModel", "DeepseekV32MTPModel", "EagleDeepSeekMTPModel")  # speculative decoding
+    for arch in family + drafts:
         entry = ModelRegistry.models[arch]
         assert entry.module_name == "vllm_router_ext.models.deepseek_v2" and entry.class_name == arch
     # Other MoE families are not ours.

@@ -40,9 +40,9 @@ DEEPSEEK_V2_FAMILY: tuple[str, ...] = (
     "DeepseekV32ForCausalLM",
     "GlmMoeDsaForCausalLM",
 )
-#: vLLM's multi-token-prediction draft architectures for that family (speculative decoding):
+#: vLLM's speculative-decoding draft architectures for that family (MTP layers, EAGLE heads):
 #: never in a checkpoint's config.json, but ``auto`` treats them like their target.
-DEEPSEEK_V2_MTP_DRAFTS: tuple[str, ...] = ("DeepSeekMTPModel", "DeepseekV32MTPModel")
+DEEPSEEK_V2_DRAFTS: tuple[str, ...] = ("DeepSeekMTPModel", "DeepseekV32MTPModel", "EagleDeepSeekMTPModel")
 
 
 class RouterPrecision(str, enum.Enum):
@@ -143,7 +143,7 @@ def resolve_router_precision(
         overridden = tuple((s, p.value) for s, p in candidates[1:] if p is not precision)
         return precision, source, False, overridden
 
-    if architecture in DEEPSEEK_V2_FAMILY + DEEPSEEK_V2_MTP_DRAFTS:
+    if architecture in DEEPSEEK_V2_FAMILY + DEEPSEEK_V2_DRAFTS:
         return RouterPrecision.BF16_FP32OUT, f"auto: architecture {architecture}", True, ()
     # Not a family we own: keep vLLM's behaviour (bf16 logits unless vLLM asks otherwise).
     return RouterPrecision.BF16, f"auto: architecture {architecture} not in the DeepSeek-V2 family", True, ()

@@ -1,10 +1,11 @@
 """DeepSeek-V2-family model override: resolve the router settings once per model and hand them
 to the gates while vLLM builds the model. Everything else is the in-tree class, unchanged.
 
-The multi-token-prediction (MTP) draft models of speculative decoding are overridden too: their
-layer has a router gate of its own, and vLLM builds the draft from the target's ``VllmConfig``, so
-it resolves to the same settings as the target (a draft routing on bf16 logits while the target
-routes on fp32 would propose tokens from different experts than the target would pick).
+The draft models of speculative decoding for this family (MTP layers, EAGLE heads) are overridden
+too: their MoE layers have router gates of their own, and vLLM builds a draft from the target's
+``VllmConfig``, so it resolves to the same settings as the target (a draft routing on bf16 logits
+while the target routes on fp32 would propose tokens from different experts than the target would
+pick).
 
 Classes are built on first access (module ``__getattr__``) from the class vLLM itself would load,
 so the override follows vLLM's per-platform choice (e.g. DeepSeek-V3.2's CUDA model).
@@ -30,9 +31,11 @@ IN_TREE_CLASSES: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("vllm.model_executor.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "DeepseekV32ForCausalLM": ("vllm.models.deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("vllm.models.deepseek_v32", "GlmMoeDsaForCausalLM"),
-    # MTP drafts (vLLM rewrites the draft's architecture to these for method "mtp"/"deepseek_mtp")
+    # Speculative-decoding drafts: vLLM rewrites a draft's architecture to these for the methods
+    # "mtp" / "deepseek_mtp" (MTP layers) and "eagle" (an EAGLE head with DeepSeek MoE layers).
     "DeepSeekMTPModel": ("vllm.model_executor.models.deepseek_mtp", "DeepSeekMTP"),
     "DeepseekV32MTPModel": ("vllm.models.deepseek_v32", "DeepseekV32MTP"),  # V3.2 and GLM-5
+    "EagleDeepSeekMTPModel": ("vllm.model_executor.models.deepseek_eagle", "EagleDeepseekV3ForCausalLM"),
 }
 
 

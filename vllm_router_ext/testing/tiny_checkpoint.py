@@ -194,6 +194,37 @@ def build_tiny_deepseek_v3(
     return out
 
 
+def build_tiny_deepseek_eagle_head(out_dir: str | Path, *, seed: int = 0, target_layers: int = 2) -> Path:
+    """An EAGLE draft head for :func:`build_tiny_deepseek_v3`'s model, in the layout vLLM's
+    ``EagleDeepseekV3ForCausalLM`` loads: one DeepSeek MoE decoder layer (with its router gate)
+    as ``layers.0.*``, plus ``fc`` (2H -> H) and the ``enorm`` / ``hnorm`` / ``norm`` weights;
+    embeddings and LM head are the target's. Serve it with ``speculative_config={"method":
+    "eagle", "model": <this dir>}``."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # The layer is drawn as layer ``target_layers`` of a model whose layers are all MoE.
+    overrides = {"num_hidden_layers": target_layers + 1, "first_k_dense_replace": 0}
+    gen = torch.Generator().manual_seed(seed)
+    drawn = _tensors(_config_dict("DeepseekV3ForCausalLM", overrides), gen, torch.bfloat16)
+    prefix = f"model.layers.{target_layers}."
+    tensors = {"layers.0." + k[len(prefix) :]: v for k, v in drawn.items() if k.startswith(prefix)}
+    H = TINY_V3["hidden_size"]
+    tensors["fc.weight"] = (torch.randn(H, 2 * H, generator=gen) / (2 * H) ** 0.5).to(torch.bfloat16)
+    for norm in ("enorm", "hnorm", "norm"):
+        tensors[f"{norm}.weight"] = torch.ones(H, dtype=torch.bfloat16)
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    # One layer; vLLM reads the number of draft steps from num_nextn_predict_layers.
+    cfg = _config_dict("DeepseekV3ForCausalLM", {"num_hidden_layers": 1, "num_nextn_predict_layers": 1})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir")
