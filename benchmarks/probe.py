@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from csrc_triton.configs import KernelConfig, splitk_config  # noqa: E402
 from vllm_router_ext.benchmarking import (  # noqa: E402
-    SHAPES,
+    SHAPE_BY_NAME,
     make_inputs,
     rotation_copies,
     time_rotated,
@@ -36,8 +36,6 @@ from vllm_router_ext.benchmarking import (  # noqa: E402
 )
 from vllm_router_ext.ops import router_gemm  # noqa: E402
 from vllm_router_ext.ops.dispatch import dot_mode_for, run_config  # noqa: E402
-
-SHAPE = {s.name: s for s in SHAPES}
 
 
 def rel_err(cfg, x, w) -> float:
@@ -115,7 +113,7 @@ def section_gemv(results):
         "DeepSeek-V2-Lite": (4,),
     }
     for name, ms in plan.items():
-        s = SHAPE[name]
+        s = SHAPE_BY_NAME[name]
         for m in ms:
             xs, ws = make_inputs(m, s.k, s.n, rotation_copies(m, s.k, s.n), seed=m)
             refs = {
@@ -138,7 +136,7 @@ def big_splitk(mode: str, kps_list, stages=3) -> list[KernelConfig]:
 
 
 def section_fp32mid(results):
-    s = SHAPE["DeepSeek-V3"]
+    s = SHAPE_BY_NAME["DeepSeek-V3"]
     for m in (256, 1024, 4096, 16384):
         xs, ws = make_inputs(m, s.k, s.n, rotation_copies(m, s.k, s.n), seed=m)
         refs = {
@@ -201,7 +199,7 @@ def bitwise_admitted(ref_cfg, cands, probe_x, probe_w, label: str) -> list[Kerne
 
 
 def section_bi(results):
-    s = SHAPE["DeepSeek-V3"]
+    s = SHAPE_BY_NAME["DeepSeek-V3"]
     probe_x = torch.randn(300, s.k, device="cuda").to(torch.bfloat16)
     probe_w = (torch.randn(s.n, s.k, device="cuda") / s.k**0.5).to(torch.bfloat16)
     for mode in ("bf16-fp32out", "fp32"):
@@ -221,7 +219,7 @@ def section_bi(results):
 
 def section_bismall(results, names=("DeepSeek-V3", "Kimi-K2"), ms=(1, 4, 16, 64, 256)):
     for name in names:
-        s = SHAPE[name]
+        s = SHAPE_BY_NAME[name]
         probe_x = torch.randn(300, s.k, device="cuda").to(torch.bfloat16)
         probe_w = (torch.randn(s.n, s.k, device="cuda") / s.k**0.5).to(torch.bfloat16)
         for mode in ("bf16-fp32out", "fp32"):

@@ -37,8 +37,14 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_router_ext.benchmarking import SHAPES, make_inputs, rotation_copies, time_graph  # noqa: E402
+from vllm_router_ext.benchmarking import (  # noqa: E402
+    SHAPE_BY_NAME,
+    make_inputs,
+    rotation_copies,
+    time_graph,
+)
 from vllm_router_ext.ops import router_gemm  # noqa: E402
+from vllm_router_ext.ops.dispatch import config_for  # noqa: E402
 from vllm_router_ext.precision import RouterPrecision  # noqa: E402
 
 PLAIN, WAIT, PREFETCH, PRELOAD, TRIGGER = 0, 1, 2, 3, 4
@@ -119,13 +125,6 @@ def gemv_pdl(x, w, out, variant: int, block_m: int, block_n: int, num_warps: int
     return out
 
 
-def shipped_config(shape_k: int, shape_n: int, m: int):
-    from csrc_triton.configs import select_config
-
-    cfg = select_config(m, shape_k, shape_n, "bf16-fp32out", False, "NVIDIA H200", 132, cublas=True)
-    return cfg
-
-
 def _op(x, w, o, *, mode: str, batch_invariant: bool):
     return router_gemm(x, w, RouterPrecision(mode), batch_invariant=batch_invariant)
 
@@ -161,17 +160,15 @@ def main() -> int:
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    shapes = {s.name: s for s in SHAPES}
     rows = []
     for name in args.shapes.split(","):
-        shape = shapes[name]
+        shape = SHAPE_BY_NAME[name]
         for m in [int(v) for v in args.m.split(",")]:
-            cfg = shipped_config(shape.k, shape.n, m)
+            xs, ws = make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n))
+            cfg = config_for(xs[0], ws[0], RouterPrecision.BF16_FP32OUT, False)  # what the op runs
             if cfg.kernel != "gemv" and not args.context:
                 print(f"{name} M={m}: table picks {cfg.kernel}, skipped")
                 continue
-            copies = rotation_copies(m, shape.k, shape.n)
-            xs, ws = make_inputs(m, shape.k, shape.n, copies)
             srcs = [torch.randn_like(x) for x in xs]
             outs = [torch.empty(m, shape.n, device="cuda") for _ in xs]
             methods = {"cuBLAS": lambda x, w, o: torch.mm(x, w.T, out_dtype=torch.float32)}

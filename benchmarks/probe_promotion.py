@@ -39,7 +39,7 @@ from csrc_triton.configs import KernelConfig  # noqa: E402
 from csrc_triton.dot import interpreting, mma  # noqa: E402
 from csrc_triton.router_gemm_tiled import grouped_tile  # noqa: E402
 from vllm_router_ext.benchmarking import (  # noqa: E402
-    SHAPES,
+    SHAPE_BY_NAME,
     make_inputs,
     rotation_copies,
     time_rotated,
@@ -48,8 +48,6 @@ from vllm_router_ext.benchmarking import (  # noqa: E402
 from vllm_router_ext.ops import router_gemm  # noqa: E402
 from vllm_router_ext.ops.dispatch import run_config  # noqa: E402
 from vllm_router_ext.ops.reference import changed_expert_sets, select_experts  # noqa: E402
-
-SHAPE = {s.name: s for s in SHAPES}
 
 
 @triton.jit
@@ -220,7 +218,7 @@ def section_accuracy(results, tokens=8192, seed=7):
         splitk(16, 32, 128, 4, 512, 4, 1),
     ]
     for name in ("DeepSeek-V3", "GLM-5", "Kimi-K2"):
-        shape = SHAPE[name]
+        shape = SHAPE_BY_NAME[name]
         g = torch.Generator(device="cuda").manual_seed(seed)
         x = torch.randn(tokens, shape.k, device="cuda", generator=g).to(torch.bfloat16)
         w = (torch.randn(shape.n, shape.k, device="cuda", generator=g) / shape.k**0.5).to(torch.bfloat16)
@@ -250,7 +248,7 @@ def section_accuracy(results, tokens=8192, seed=7):
 
 
 def section_mid(results):
-    shape = SHAPE["DeepSeek-V3"]
+    shape = SHAPE_BY_NAME["DeepSeek-V3"]
     for m in (32, 64):
         cands = [
             splitk(bm, bn, bk, pc, kps, 4, 1)
@@ -273,7 +271,7 @@ def section_mid(results):
 
 
 def section_large(results):
-    shape = SHAPE["DeepSeek-V3"]
+    shape = SHAPE_BY_NAME["DeepSeek-V3"]
     tiles = ((128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 4))
     for m in (2048, 4096, 16384):
         cands = [nested_tiled(bm, bn, 64, 2, warps, stages) for bm, bn, warps, stages in tiles]

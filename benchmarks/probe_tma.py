@@ -28,15 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from csrc_triton.router_gemm_tiled import grouped_tile  # noqa: E402
 from vllm_router_ext.benchmarking import (  # noqa: E402
-    SHAPES,
+    SHAPE_BY_NAME,
     make_inputs,
     rotation_copies,
     time_rotated,
     time_rotated_into,
 )
 from vllm_router_ext.ops import router_gemm  # noqa: E402
-
-SHAPE = {s.name: s for s in SHAPES}
 
 
 @triton.jit
@@ -136,7 +134,7 @@ def main() -> int:
     args = p.parse_args()
     results = []
     t0 = time.time()
-    shape = SHAPE["DeepSeek-V3"]
+    shape = SHAPE_BY_NAME["DeepSeek-V3"]
     # Shared memory: a stage holds PROMOTE chunks in the nested form, one in the flat form.
     cands = [Tma(128, 128, 64, 4, 8, 0, persistent, False) for persistent in (False, True)]
     cands += [Tma(128, 128, 64, 2, 8, 2, persistent, False) for persistent in (False, True)]

@@ -29,6 +29,8 @@ SHAPES: tuple[RouterShape, ...] = (
     RouterShape("DeepSeek-V2-Lite", 2048, 64, RoutingConfig(6, 1, 1, "softmax", "greedy", False, 1.0)),
 )
 
+SHAPE_BY_NAME: dict[str, RouterShape] = {s.name: s for s in SHAPES}
+
 M_LIST = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 #: Rotate weights/inputs until one graph replay touches this many bytes: several times the H200's
 #: 60 MB L2, so the weight comes from HBM as it does when 58 layers take turns.
