@@ -144,7 +144,14 @@ BI_SPLITS_IN_PROGRAM_FROM = 256
 
 
 def heuristic_config(
-    m: int, k: int, n: int, mode: str, batch_invariant: bool, sm_count: int, cublas: bool = False
+    m: int,
+    k: int,
+    n: int,
+    mode: str,
+    batch_invariant: bool,
+    sm_count: int,
+    cublas: bool = False,
+    capability: int = 90,
 ) -> KernelConfig:
     """Default for shapes and GPUs without a tuned table (the H200 probe's winners, generalised).
     Up to 4 tokens: the FMA GEMV, one K split. Up to 64: unrolled split-K with >= 2 programs per
@@ -154,11 +161,17 @@ def heuristic_config(
     run inside one program per tile (``splits_in_program``: bitwise the same sums, no partials in
     memory), software-pipelined. The split partials are added in split order: the exact
     fixed-point sum (``fixed_point``) is faster at 1-16 tokens but measured 1.3-2.5x slower from
-    256 tokens on the H200 (docs/benchmarks.md), so only a tuned table selects it."""
+    256 tokens on the H200 (docs/benchmarks.md), so only a tuned table selects it.
+    ``capability`` (compute capability x10): below 90 (no wgmma) the fp32 mode's promoted
+    128x128 tiles need two register accumulators of 64 values per thread beside the mma.sync
+    operands and spill (sm_80 / sm_89 compile, ``python -m vllm_router_ext.testing.aot``), so
+    those GPUs get 128x64 tiles."""
     fp32 = mode == "fp32"
     if not batch_invariant and m <= 4:
         block_m = min(2, 1 << (m - 1).bit_length())
-        return KernelConfig("gemv", dict(block_m=block_m, block_n=1, k_per_split=0, num_warps=8 // block_m))
+        # 8 warps: what the H200 table picks at 1-4 tokens (or more); with 4 warps and two tokens
+        # the sm_89 compile spills at K=6144.
+        return KernelConfig("gemv", dict(block_m=block_m, block_n=1, k_per_split=0, num_warps=8))
     if cublas and not fp32 and not batch_invariant and m > 64:
         return KernelConfig("cublas")
     if batch_invariant or m <= 64:
@@ -177,13 +190,14 @@ def heuristic_config(
         return pipelined_splitk_config(64, 64, 1024, mode, 4)
     if m <= 2048:
         return pipelined_splitk_config(64, 64, 2048, mode, 4)
+    wide = 64 if fp32 and capability < 90 else 128
     if m <= 8192:
-        return pipelined_splitk_config(128, 128, 3584, mode, 8)
+        return pipelined_splitk_config(128, wide, 3584, mode, 8)
     return KernelConfig(
         "tiled",
         dict(
             block_m=128,
-            block_n=128 if n >= 128 else 64,
+            block_n=wide if n >= 128 else 64,
             block_k=64,
             promote_chunks=fp32_promote_chunks(64) if fp32 else 0,
             group_m=8,
@@ -207,6 +221,7 @@ def select_config(
     device_name: str,
     sm_count: int,
     cublas: bool = True,
+    capability: int = 90,
 ) -> KernelConfig:
     table_mode = "fp32" if mode == "fp32" else "bf16-fp32out"
     entry = load_table(device_name).get("shapes", {}).get(f"{k}x{n}", {})
@@ -216,4 +231,4 @@ def select_config(
     if bucket is not None and not (bucket["kernel"] == "cublas" and (mode == "fp32" or not cublas)):
         params = {p: v for p, v in bucket.items() if p in PARAM_KEYS}
         return KernelConfig(bucket["kernel"], params, source=f"tuned {device_key(device_name)}")
-    return heuristic_config(m, k, n, mode, batch_invariant, sm_count, cublas=cublas)
+    return heuristic_config(m, k, n, mode, batch_invariant, sm_count, cublas=cublas, capability=capability)

@@ -252,7 +252,7 @@ def test_batch_invariant_needle_through_a_fixed_point_table(gen, monkeypatch):
         x[m - 1] = needle[0]
         out = router_gemm_cuda(x, w, RouterPrecision.BF16_FP32OUT, batch_invariant=True)
         assert torch.equal(out[m - 1 :], alone), m
-    monkeypatch.setattr(d, "_device_info", lambda index: ("GPU", 132))
+    monkeypatch.setattr(d, "_device_info", lambda index: ("GPU", 132, 90))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, True, torch.bfloat16, k, n)
     assert "K split 128" in text and "splits summed exactly in fixed point" in text
@@ -401,7 +401,7 @@ def test_startup_description_of_the_cuda_dispatch(monkeypatch):
     """The implementation named in the start-up log line, against the shipped H200 table."""
     import vllm_router_ext.ops.dispatch as d
 
-    monkeypatch.setattr(d, "_device_info", lambda index: ("NVIDIA H200", 132))
+    monkeypatch.setattr(d, "_device_info", lambda index: ("NVIDIA H200", 132, 90))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     text = d.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.bfloat16, 7168, 256)
     assert "promoted fp32 accumulation" in text and "tuned table" in text and "16-bit MMA" in text

@@ -38,17 +38,26 @@ def dot_mode_for(x_dtype: torch.dtype, w_dtype: torch.dtype) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _device_info(index: int) -> tuple[str, int]:
+def _device_info(index: int) -> tuple[str, int, int]:
+    """(name, SM count, compute capability x10) of a CUDA device."""
     props = torch.cuda.get_device_properties(index)
-    return props.name, props.multi_processor_count
+    return props.name, props.multi_processor_count, props.major * 10 + props.minor
 
 
 def config_for(x: torch.Tensor, weight: torch.Tensor, precision: RouterPrecision, batch_invariant: bool):
     from csrc_triton.configs import select_config
 
-    name, sms = _device_info(x.device.index or 0) if x.is_cuda else ("cpu-interpreter", 132)
+    name, sms, cap = _device_info(x.device.index or 0) if x.is_cuda else ("cpu-interpreter", 132, 90)
     return select_config(
-        x.shape[0], x.shape[1], weight.shape[0], precision.value, batch_invariant, name, sms, cublas=x.is_cuda
+        x.shape[0],
+        x.shape[1],
+        weight.shape[0],
+        precision.value,
+        batch_invariant,
+        name,
+        sms,
+        cublas=x.is_cuda,
+        capability=cap,
     )
 
 
@@ -58,8 +67,24 @@ def _cublas(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> to
     return torch.mm(x, weight.T, out_dtype=torch.float32)  # fp32 written by the GEMM epilogue
 
 
-def run_config(cfg, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, dot_mode: int) -> torch.Tensor:
-    """Launch one config into ``out`` (used by the dispatch, the tuner and the tests)."""
+def fp32_weight_max_block_k(capability: int) -> int:
+    """BLOCK_K for a genuinely fp32 gate weight: each chunk of the weight tile is held in fp32 and
+    as three bf16 terms at once. With 128-wide chunks the sm_90 compile of the H200 table's split-K
+    tiles spills 72-176 bytes (sm_80 / sm_89: up to 7 KB); 64 (sm_90+) and 32 (older, mma.sync
+    operands in registers) do not (``python -m vllm_router_ext.testing.aot``)."""
+    return 64 if capability >= 90 else 32
+
+
+def run_config(
+    cfg,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    dot_mode: int,
+    capability: int | None = None,
+) -> torch.Tensor:
+    """Launch one config into ``out`` (used by the dispatch, the tuner and the tests).
+    ``capability`` (x10) defaults to the device's (90 off-GPU)."""
     from csrc_triton.router_gemm_gemv import gemv_launch
     from csrc_triton.router_gemm_splitk import splitk_launch
     from csrc_triton.router_gemm_tiled import tiled_launch
@@ -70,6 +95,12 @@ def run_config(cfg, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, do
     if cfg.kernel == "gemv":  # fp32 FMA: exact for every mode and weight dtype, no dot mode
         return gemv_launch(x, weight, out, **params)
     if cfg.kernel == "splitk":
+        if weight.dtype == torch.float32:
+            if capability is None:
+                capability = _device_info(x.device.index or 0)[2] if x.is_cuda else 90
+            # Narrower chunks for fp32 weight tiles (registers), the same for every M: batch
+            # invariance is kept because every bucket of a mode shares one BLOCK_K.
+            params["block_k"] = min(params["block_k"], fp32_weight_max_block_k(capability))
         if not params.get("promote_chunks"):
             params["promote_chunks"] = params["k_per_split"] // params["block_k"]
         if weight.dtype == torch.float32 and params.get("num_stages", 1) > 1:
@@ -160,14 +191,16 @@ def run_fitting_config(
         return result
 
 
-def _batch_invariant_buckets(k: int, n: int, precision: RouterPrecision, name: str, sms: int) -> list:
+def _batch_invariant_buckets(
+    k: int, n: int, precision: RouterPrecision, name: str, sms: int, cap: int = 90
+) -> list:
     """``[(first M, config)]`` of every batch-invariant bucket on this GPU. Buckets start at 1 or
     just above a power of two (the tables' ``max_m`` values, the heuristic's threshold)."""
     from csrc_triton.configs import select_config
 
     buckets: list = []
     for m in (1, *((1 << i) + 1 for i in range(14))):
-        cfg = select_config(m, k, n, precision.value, True, name, sms)
+        cfg = select_config(m, k, n, precision.value, True, name, sms, capability=cap)
         if not buckets or buckets[-1][1] != cfg:
             buckets.append((m, cfg))
     return buckets
@@ -178,8 +211,9 @@ def batch_invariant_probe_sizes(weight: torch.Tensor, precision: RouterPrecision
     GPU (tiles, pipelining, splits in one program): the start-up self-check runs all of them."""
     if not weight.is_cuda:
         return ()
-    name, sms = _device_info(weight.device.index or 0)
-    starts = [m for m, _ in _batch_invariant_buckets(weight.shape[1], weight.shape[0], precision, name, sms)]
+    name, sms, cap = _device_info(weight.device.index or 0)
+    buckets = _batch_invariant_buckets(weight.shape[1], weight.shape[0], precision, name, sms, cap)
+    starts = [m for m, _ in buckets]
     return tuple(sorted({s for m in starts[1:] for s in (m - 1, m)}))
 
 
@@ -189,12 +223,12 @@ def describe_cuda_dispatch(
     """One line for the start-up log: which kernels run on this GPU for a [n, k] gate, by M."""
     from csrc_triton.configs import load_table, select_config
 
-    name, sms = _device_info(torch.cuda.current_device())
+    name, sms, cap = _device_info(torch.cuda.current_device())
     dot = {0: "16-bit MMA", 1: "fp32 weight split into 3 bf16 MMAs", 2: "IEEE fp32 dot"}[
         dot_mode_for(torch.bfloat16, weight_dtype)
     ]
     if batch_invariant:
-        buckets = _batch_invariant_buckets(k, n, precision, name, sms)
+        buckets = _batch_invariant_buckets(k, n, precision, name, sms, cap)
         cfg = buckets[0][1]
         kps, block_k = cfg.params.get("k_per_split"), cfg.params.get("block_k")
         fused = [m for m, c in buckets if c.params.get("splits_in_program")]
@@ -211,7 +245,7 @@ def describe_cuda_dispatch(
     label = {"gemv": "triton GEMV (fp32 FMA)", "splitk": "triton split-K", "tiled": "triton tiled"}
     ranges: list[list] = []  # [kernel, first M, last M]
     for m in (1 << i for i in range(15)):
-        kernel = select_config(m, k, n, precision.value, False, name, sms).kernel
+        kernel = select_config(m, k, n, precision.value, False, name, sms, capability=cap).kernel
         if ranges and ranges[-1][0] == kernel:
             ranges[-1][2] = m
         else:

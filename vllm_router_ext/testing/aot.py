@@ -1,0 +1,181 @@
+"""Compile every Triton kernel the CUDA dispatch would launch, for a GPU architecture, without a GPU.
+
+    python -m vllm_router_ext.testing.aot [--arch 90] [--shapes DeepSeek-V3,...]
+
+The device tests run on an H200 with one Triton version; vLLM's CUDA build may bring another
+(vLLM 0.32: torch 2.13 and Triton 3.9, the versions of the CPU build here). CPU CI runs the
+kernels only under ``TRITON_INTERPRET=1``, which never compiles them. This tool takes the configs
+the dispatch would run (every bucket of the tuned table for the shape, and the heuristic's for
+other GPUs), launches them through the real launchers on CPU tensors with the launch intercepted,
+and compiles each captured launch with Triton's own argument specialisation for ``sm_<arch>``:
+a kernel that no longer compiles with the installed Triton, or that starts spilling registers,
+shows up here. Needs Triton's bundled ptxas; must run with ``TRITON_INTERPRET`` unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from vllm_router_ext.benchmarking import SHAPE_BY_NAME, SHAPES, RouterShape
+from vllm_router_ext.precision import RouterPrecision
+
+#: M values whose configs are compiled: the tables' bucket bounds lie between these.
+M_POINTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class Compiled:
+    what: str  # shape, mode, M bucket and config
+    source: str  # where the config came from: "tuned <gpu>" (measured there) or "heuristic"
+    kernel: str
+    registers: int
+    spill_bytes: int
+
+
+@contextmanager
+def _captured_launches() -> Iterator[list]:
+    """Replace Triton's launch with a recorder of (kernel, args, kwargs)."""
+    from triton.runtime.jit import JITFunction
+
+    launches: list = []
+    original = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+
+    JITFunction.run = record
+    try:
+        yield launches
+    finally:
+        JITFunction.run = original
+
+
+def _compile(fn, args, kwargs, arch: int):
+    """Triton's own specialisation of this launch (as ``JITFunction.run`` does), compiled for
+    ``sm_<arch>``; returns the compiled kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    source = ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(source, target=target, options=options.__dict__)
+
+
+def _resources(kernel) -> tuple[int, int]:
+    """(registers per thread, spill bytes) of a compiled kernel, from its cubin."""
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+    regs = [int(v) for v in re.findall(r"REG:(\d+)", usage)]
+    stack = [int(v) for v in re.findall(r"STACK:(\d+)", usage)]
+    return max(regs, default=0), max(stack, default=0)
+
+
+#: (mode, weight dtype) pairs the dispatch serves: logits dtype follows the mode (bf16 for ``bf16``),
+#: and an fp32 gate weight takes the exact three-term split in the ``fp32`` mode.
+CASES = (
+    (RouterPrecision.BF16_FP32OUT, torch.bfloat16),
+    (RouterPrecision.BF16, torch.bfloat16),
+    (RouterPrecision.FP32, torch.bfloat16),
+    (RouterPrecision.FP32, torch.float32),
+)
+
+
+def configs_to_compile(
+    shape: RouterShape, device_name: str, sm_count: int, arch: int
+) -> list[tuple[str, RouterPrecision, torch.dtype, int, object]]:
+    """(label, mode, weight dtype, M, config) of every distinct Triton config the dispatch selects
+    for this shape on this GPU: each case of :data:`CASES`, batch invariance off and on (not for
+    ``bf16``, which has no batch-invariant form), at every M of :data:`M_POINTS`."""
+    from csrc_triton.configs import select_config
+
+    seen: dict = {}
+    for mode, w_dtype in CASES:
+        for bi in (False, True) if mode is not RouterPrecision.BF16 else (False,):
+            for m in M_POINTS:
+                cfg = select_config(
+                    m, shape.k, shape.n, mode.value, bi, device_name, sm_count, capability=arch
+                )
+                if cfg.kernel != "cublas" and (mode, w_dtype, cfg) not in seen:
+                    w_name = "" if w_dtype is torch.bfloat16 else ", fp32 weight"
+                    label = f"{shape.name} {mode.value}{w_name}{' batch-invariant' if bi else ''} M={m}"
+                    seen[(mode, w_dtype, cfg)] = (label, m)
+    return [(label, mode, w, m, cfg) for (mode, w, cfg), (label, m) in seen.items()]
+
+
+def compile_configs(
+    shapes: list[RouterShape], device_name: str, sm_count: int, arch: int, progress: bool = False
+) -> list[Compiled]:
+    """Compile every launch of every config (:func:`configs_to_compile`) for ``sm_<arch>``."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("unset TRITON_INTERPRET: the interpreter never compiles the kernels")
+    from vllm_router_ext.ops.dispatch import dot_mode_for, run_config
+
+    results: list[Compiled] = []
+    done: dict = {}  # (kernel, specialisation) -> Compiled: the same launch compiles once
+    for shape in shapes:
+        for label, mode, w_dtype, m, cfg in configs_to_compile(shape, device_name, sm_count, arch):
+            x = torch.zeros(m, shape.k, dtype=torch.bfloat16)
+            w = torch.zeros(shape.n, shape.k, dtype=w_dtype)
+            out_dtype = torch.bfloat16 if mode is RouterPrecision.BF16 else torch.float32
+            out = torch.empty(m, shape.n, dtype=out_dtype)
+            with _captured_launches() as launches:
+                run_config(cfg, x, w, out, dot_mode_for(x.dtype, w.dtype), capability=arch)
+            for fn, args, kwargs in launches:
+                types = tuple(str(a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+                key = (fn.__name__, repr(sorted(kwargs.items())), types)
+                if key not in done:
+                    kernel = _compile(fn, args, kwargs, arch)
+                    regs, spill = _resources(kernel)
+                    done[key] = Compiled(f"{label} {cfg.describe()}", cfg.source, fn.__name__, regs, spill)
+                    if progress:
+                        c = done[key]
+                        print(f"{c.what}: {c.kernel} {c.registers} registers, {c.spill_bytes} B spilled")
+                results.append(done[key])
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
+    ap.add_argument("--device-name", default="NVIDIA H200", help="GPU whose tuned table is used")
+    ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
+    ap.add_argument("--json", type=Path, help="write the per-launch results here")
+    args = ap.parse_args(argv)
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPE_BY_NAME]
+    if unknown:
+        ap.error(f"unknown shape(s) {', '.join(unknown)}; allowed: {', '.join(SHAPE_BY_NAME)}")
+    shapes = [SHAPE_BY_NAME[s] for s in args.shapes.split(",")]
+    results = compile_configs(shapes, args.device_name, args.sms, args.arch, progress=True)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    spilled = {r for r in results if r.spill_bytes}
+    print(f"{len(set(results))} kernels compiled for sm_{args.arch}; {len(spilled)} spill registers")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
