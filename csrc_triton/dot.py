@@ -2,8 +2,9 @@
 
 ``DOT_MODE`` (constexpr):
   0 ``DOT_NATIVE``: 16-bit x 16-bit tensor-core MMA with fp32 accumulation (bf16 or fp16).
-  1 ``DOT_SPLIT3``: fp32 weight split exactly into three bf16 terms (hi + mid + lo, 8 significant
-    bits each = fp32's 24) and three bf16 MMAs; every product is exact in fp32.
+  1 ``DOT_SPLIT3``: fp32 weight split exactly into three bf16 terms (hi + mid + lo, each the
+    truncation of what is left: 8 significant bits each = fp32's 24) and three bf16 MMAs; every
+    product is exact in fp32.
   2 ``DOT_IEEE``: fp32 operands, ``input_precision="ieee"`` (never TF32), for fp32 activations.
 
 ``UPCAST`` (constexpr) is set only under ``TRITON_INTERPRET=1``: the interpreter multiplies bf16
@@ -40,10 +41,13 @@ def mma(a, b, acc, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr):
     if DOT_MODE == 0:
         return _dot16(a, b, acc, UPCAST)
     elif DOT_MODE == 1:
-        hi = b.to(tl.bfloat16)
-        r = b - hi.to(tl.float32)  # exact: hi is the nearest bf16
-        mid = r.to(tl.bfloat16)
-        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)  # exact: <= 8 significant bits remain
+        # Truncated, not rounded, terms: fp32 values near the maximum would round up to inf.
+        hi = (b.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+        r = b - hi  # exact: the low 16 bits
+        mid = (r.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+        lo = (r - mid).to(tl.bfloat16)  # exact: <= 8 significant bits remain
+        hi = hi.to(tl.bfloat16)  # exact: 8 significant bits
+        mid = mid.to(tl.bfloat16)
         a16 = a.to(tl.bfloat16)
         acc = _dot16(a16, lo, acc, UPCAST)  # smallest terms first
         acc = _dot16(a16, mid, acc, UPCAST)

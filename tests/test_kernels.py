@@ -10,6 +10,7 @@ from csrc_triton.configs import KernelConfig, heuristic_config, select_config
 from csrc_triton.dot import DOT_IEEE, DOT_NATIVE, DOT_SPLIT3
 from vllm_router_ext.ops.dispatch import dot_mode_for, router_gemm_cuda, run_config
 from vllm_router_ext.ops.reference import reference_logits, relative_error
+from vllm_router_ext.ops.router_gemm import check_weight_terms, fp32_weight_terms
 from vllm_router_ext.precision import RouterPrecision
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,6 +81,19 @@ def test_genuinely_fp32_weight_is_exact(gen, name, dot_mode):
     out = _poisoned(9, 48, torch.float32)
     run_config(CONFIGS[name], x, w, out, dot_mode)
     assert relative_error(out, reference_logits(x, w)) <= 1e-6
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGS if CONFIGS[n].kernel != "gemv"])
+def test_split3_keeps_the_largest_fp32_weights_finite(gen, name):
+    """The in-kernel three-term split truncates: rounding 3.4e38 to bf16 would give inf."""
+    x, w = _inputs(gen, 3, 256, 16, w_dtype=torch.float32)
+    w[5, ::16] = 3.4e38 * torch.sign(torch.randn(16, generator=gen))
+    x = (x.float() * 1e-3).to(torch.bfloat16)  # keeps the huge row's logits finite
+    out = _poisoned(3, 16, torch.float32)
+    run_config(CONFIGS[name], x, w, out, DOT_SPLIT3)
+    ref = reference_logits(x, w)
+    assert relative_error(out[:, 5], ref[:, 5]) <= 1e-6
+    assert relative_error(out[:, :5], ref[:, :5]) <= 1e-6
 
 
 def test_gemv_two_launch_form_equals_single_launch(gen):
@@ -213,6 +227,39 @@ def test_dispatch_end_to_end(gen, mode, m):
     out = router_gemm_cuda(x, w, RouterPrecision(mode), batch_invariant=False)
     assert out.dtype == (torch.bfloat16 if mode == "bf16" else torch.float32)
     assert relative_error(out, reference_logits(x, w)) <= (8e-3 if mode == "bf16" else 1e-5)
+
+
+def test_fp32_weight_terms_are_exact_and_checked(gen):
+    w = torch.randn(24, 256, generator=gen) / 7.7  # fp32 values bf16 cannot hold
+    w[0, :4] = torch.tensor([1e-30, -3.4e38, 0.0, 2.0**-126])  # tiny, huge, zero, smallest normal
+    terms = fp32_weight_terms(w)
+    assert terms.dtype == torch.bfloat16 and terms.shape == (72, 256)
+    assert torch.equal(terms.double().view(3, 24, 256).sum(0), w.double())
+    assert not torch.equal(terms[24:48], torch.zeros_like(terms[24:48]))  # the mid term is used
+    with pytest.raises(ValueError, match=r"bfloat16 \[72, 256\].*got torch.bfloat16 \[24, 256\]"):
+        check_weight_terms(w, terms[:24])
+    with pytest.raises(ValueError, match="for an fp32 weight; weight has dtype torch.bfloat16"):
+        check_weight_terms(w.to(torch.bfloat16), terms)
+
+
+@pytest.mark.parametrize("m", [5, 64, 65, 130])
+def test_fp32_weight_large_m_runs_on_its_terms(gen, monkeypatch, m):
+    """From FP32_WEIGHT_TERMS_FROM_M tokens (not batch-invariant) the dispatch runs an fp32 weight
+    as one promoted GEMM on its bf16 terms; below, on the weight itself. Both fp32-accurate."""
+    import vllm_router_ext.ops.dispatch as d
+
+    calls = []
+    real = d._fp32_weight_by_terms
+    monkeypatch.setattr(d, "_fp32_weight_by_terms", lambda *a: calls.append(1) or real(*a))
+    x, _ = _inputs(gen, m, 512, 40)
+    w = torch.randn(40, 512, generator=gen) / 22.6  # genuinely fp32
+    terms = fp32_weight_terms(w)
+    out = router_gemm_cuda(x, w, RouterPrecision.FP32, False, terms)
+    assert bool(calls) == (m >= d.FP32_WEIGHT_TERMS_FROM_M)
+    assert relative_error(out, reference_logits(x, w)) <= 1e-6
+    calls.clear()
+    router_gemm_cuda(x, w, RouterPrecision.FP32, True, terms)  # batch-invariant: one path for all M
+    assert not calls
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16-fp32out"])

@@ -10,6 +10,7 @@ from vllm_router_ext.benchmarking import SHAPES
 from vllm_router_ext.ops import router_gemm
 from vllm_router_ext.ops.dispatch import config_for, dot_mode_for, run_config
 from vllm_router_ext.ops.reference import changed_expert_sets, select_experts
+from vllm_router_ext.ops.router_gemm import fp32_weight_terms
 from vllm_router_ext.precision import RouterPrecision
 
 pytestmark = pytest.mark.gpu
@@ -83,6 +84,49 @@ def test_fp32_mode_accuracy(m, w_dtype):
     assert out.shape == (m, 256)
     if m:
         assert _rel(out, x, w) <= 1e-6
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+def test_fp32_weight_with_its_terms_accurate_and_graph_safe(shape):
+    """What the gate layer runs for a genuinely fp32 weight: the op with the weight's bf16 terms
+    (one promoted GEMM on them from FP32_WEIGHT_TERMS_FROM_M tokens, the weight itself below)."""
+    w = torch.randn(shape.n, shape.k, device="cuda") / shape.k**0.5
+    assert not torch.equal(w.to(torch.bfloat16).float(), w)
+    terms = fp32_weight_terms(w)
+    for m in [0, 1, 7, 64, 65, 300, 4096, 16384]:
+        x = torch.randn(m, shape.k, device="cuda").to(torch.bfloat16)
+        out = router_gemm(x, w, "fp32", weight_terms=terms)
+        assert out.shape == (m, shape.n) and out.dtype == torch.float32
+        if m:
+            assert _rel(out, x, w) <= 1e-6, m
+    x = torch.randn(300, shape.k, device="cuda").to(torch.bfloat16)
+    eager = router_gemm(x, w, "fp32", weight_terms=terms)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        captured = router_gemm(x, w, "fp32", weight_terms=terms)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("use_terms", [False, True])
+def test_fp32_weight_near_the_fp32_maximum_stays_finite(use_terms):
+    """Rounding 3.4e38 to bf16 gives inf: both three-term splits (in the kernels, and the terms
+    made at load) truncate instead."""
+    shape = SHAPES[0]
+    w = torch.randn(shape.n, shape.k, device="cuda") / shape.k**0.5
+    w[3, ::64] = 3.4e38 * torch.sign(torch.randn(shape.k // 64, device="cuda"))
+    for m in [1, 17, 300]:
+        x = (torch.randn(m, shape.k, device="cuda") * 1e-3).to(torch.bfloat16)
+        terms = fp32_weight_terms(w) if use_terms else None
+        out = router_gemm(x, w, "fp32", weight_terms=terms)
+        assert torch.isfinite(out).all(), m
+        ref = x.double() @ w.double().T
+        assert ((out[:, 3].double() - ref[:, 3]).norm() / ref[:, 3].norm()).item() <= 1e-6, m
+        assert _rel(out[:, 4:], x, w[4:]) <= 1e-6, m
 
 
 def test_fp32_mode_changes_no_expert_set_on_8192_tokens():

@@ -138,6 +138,12 @@ def test_weight_storage_rules_at_load(
     gate.quant_method.process_weights_after_loading(gate)
     assert gate.router_precision.value == expect_precision
     assert gate.weight.dtype == expect_dtype
+    # an fp32 weight also gets its three bf16 terms (the CUDA dispatch's large-M GEMM); exact
+    terms = gate.router_weight_terms
+    assert (terms is not None) == (expect_dtype == torch.float32)
+    if terms is not None:
+        assert terms.dtype == torch.bfloat16 and terms.shape == (48, 128)
+        assert torch.equal(terms.double().view(3, 16, 128).sum(0), gate.weight.double())
     x = torch.randn(9, 128, generator=gen).to(torch.bfloat16)
     out, _ = gate(x)
     ref_w = w if expect_precision == "fp32" else w.to(torch.bfloat16)

@@ -35,17 +35,19 @@ from vllm_router_ext.benchmarking import (
 )
 from vllm_router_ext.ops import router_gemm
 from vllm_router_ext.ops.reference import changed_expert_sets, select_experts
+from vllm_router_ext.ops.router_gemm import fp32_weight_terms
 
-METHODS = {
-    "ours bf16-fp32out": lambda x, w, w32: router_gemm(x, w, "bf16-fp32out"),
-    "ours fp32": lambda x, w, w32: router_gemm(x, w, "fp32"),
-    "ours bf16": lambda x, w, w32: router_gemm(x, w, "bf16"),
-    "ours BI bf16-fp32out": lambda x, w, w32: router_gemm(x, w, "bf16-fp32out", batch_invariant=True),
-    "ours BI fp32": lambda x, w, w32: router_gemm(x, w, "fp32", batch_invariant=True),
-    "ours fp32 (fp32 weight)": lambda x, w, w32: router_gemm(x, w32, "fp32"),
-    "cuBLAS mm out_dtype=fp32": lambda x, w, w32: torch.mm(x, w.T, out_dtype=torch.float32),
-    "F.linear fp32 upcast": lambda x, w, w32: F.linear(x.float(), w32),
-    "F.linear bf16": lambda x, w, w32: F.linear(x, w),
+METHODS = {  # each called as fn(x, w, w32, w32_terms)
+    "ours bf16-fp32out": lambda x, w, *_: router_gemm(x, w, "bf16-fp32out"),
+    "ours fp32": lambda x, w, *_: router_gemm(x, w, "fp32"),
+    "ours bf16": lambda x, w, *_: router_gemm(x, w, "bf16"),
+    "ours BI bf16-fp32out": lambda x, w, *_: router_gemm(x, w, "bf16-fp32out", batch_invariant=True),
+    "ours BI fp32": lambda x, w, *_: router_gemm(x, w, "fp32", batch_invariant=True),
+    # as the gate layer calls it: the fp32 weight and its bf16 terms, split once at load
+    "ours fp32 (fp32 weight)": lambda x, w, w32, t: router_gemm(x, w32, "fp32", weight_terms=t),
+    "cuBLAS mm out_dtype=fp32": lambda x, w, *_: torch.mm(x, w.T, out_dtype=torch.float32),
+    "F.linear fp32 upcast": lambda x, w, w32, t: F.linear(x.float(), w32),
+    "F.linear bf16": lambda x, w, *_: F.linear(x, w),
 }
 BASELINE = "cuBLAS mm out_dtype=fp32"
 
@@ -82,6 +84,7 @@ def run_speed(shapes, ms, methods, on_shape_done=None) -> list[dict]:
             copies = rotation_copies(m, shape.k, shape.n)
             xs, ws = make_inputs(m, shape.k, shape.n, copies)
             w32s = [w.float() for w in ws]  # the PR #47410 layout: weight stored in fp32
+            terms = [fp32_weight_terms(w) if "ours fp32 (fp32 weight)" in methods else None for w in w32s]
             row = {
                 "shape": shape.name,
                 "K": shape.k,
@@ -92,8 +95,8 @@ def run_speed(shapes, ms, methods, on_shape_done=None) -> list[dict]:
             for name in methods:
                 fn = METHODS[name]
                 calls = [
-                    lambda x=x, w=w, w32=w32, fn=fn: fn(x, w, w32)
-                    for x, w, w32 in zip(xs, ws, w32s, strict=True)
+                    lambda x=x, w=w, w32=w32, t=t, fn=fn: fn(x, w, w32, t)
+                    for x, w, w32, t in zip(xs, ws, w32s, terms, strict=True)
                 ]
                 row[name] = time_graph(calls, warmup=10, rep=50)
             rows.append(row)
@@ -108,7 +111,7 @@ def run_speed(shapes, ms, methods, on_shape_done=None) -> list[dict]:
                 ),
                 flush=True,
             )
-            del xs, ws, w32s
+            del xs, ws, w32s, terms
         if on_shape_done:
             on_shape_done(rows)
     return rows
@@ -129,7 +132,10 @@ def run_accuracy(shapes, tokens: int = 8192, seed: int = 7) -> list[dict]:
             "ours bf16": (router_gemm(x, w, "bf16"), w),
             "ours BI fp32": (router_gemm(x, w, "fp32", batch_invariant=True), w),
             "ours BI bf16-fp32out": (router_gemm(x, w, "bf16-fp32out", batch_invariant=True), w),
-            "ours fp32 (fp32 weight)": (router_gemm(x, w32, "fp32"), w32),
+            "ours fp32 (fp32 weight)": (
+                router_gemm(x, w32, "fp32", weight_terms=fp32_weight_terms(w32)),
+                w32,
+            ),
             "torch fp32 upcast": (F.linear(x.float(), w.float()), w),
             "cuBLAS bf16->fp32": (torch.mm(x, w.T, out_dtype=torch.float32), w),
             "F.linear bf16": (F.linear(x, w), w),

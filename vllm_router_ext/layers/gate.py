@@ -18,7 +18,7 @@ from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 
 from vllm_router_ext.ops.native import router_gemm_native
-from vllm_router_ext.ops.router_gemm import router_gemm
+from vllm_router_ext.ops.router_gemm import fp32_weight_terms, router_gemm
 from vllm_router_ext.precision import (
     RouterPrecision,
     RouterSettings,
@@ -61,14 +61,20 @@ class RouterGemm(CustomOp):
         self.precision = precision
         self.batch_invariant = batch_invariant
 
-    def forward_native(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward_native(
+        self, x: torch.Tensor, weight: torch.Tensor, weight_terms: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.batch_invariant:
             # Row-by-row on CPU: behind the torch op so compile sees no loop over tokens.
             return router_gemm(x, weight, self.precision, batch_invariant=True)
         return router_gemm_native(x, weight, self.precision)
 
-    def forward_cuda(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return router_gemm(x, weight, self.precision, batch_invariant=self.batch_invariant)
+    def forward_cuda(
+        self, x: torch.Tensor, weight: torch.Tensor, weight_terms: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return router_gemm(
+            x, weight, self.precision, batch_invariant=self.batch_invariant, weight_terms=weight_terms
+        )
 
 
 # --8<-- [end:router_gemm]
@@ -122,6 +128,9 @@ class RouterGateLinear(GateLinear):
             return
         self.router_settings = settings
         self.router_weight_kept_bf16: bool | None = None
+        # fp32 mode, fp32 weight: its three bf16 terms (made when the weight is loaded) for the
+        # large-M GEMM on CUDA. Not a checkpoint tensor.
+        self.router_weight_terms: torch.Tensor | None = None
         # Our op owns every token count: switch off GateLinear's own tiers.
         self.allow_ll_bf16_gemm = False
         self.allow_fp32_router_gemm = False
@@ -162,11 +171,18 @@ class RouterGateLinear(GateLinear):
             self.router_settings = settings
             self.router_gemm = RouterGemm(settings.precision, settings.batch_invariant)
         super().weight_loader(param, loaded_weight)
+        # Made again at every load (weight updates too), so the terms never go stale. Only the
+        # CUDA dispatch reads them (forward_native computes in fp32 from the weight itself).
+        self.router_weight_terms = (
+            fp32_weight_terms(param.data)
+            if param.dtype == torch.float32 and not settings.batch_invariant
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, None]:
         if self.router_settings is None:
             return super().forward(x)
-        return self._return(self.router_gemm(x, self.weight))
+        return self._return(self.router_gemm(x, self.weight, self.router_weight_terms))
 
 
 def register_gate_linear() -> None:

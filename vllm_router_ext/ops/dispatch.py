@@ -69,10 +69,12 @@ def _cublas(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> to
 
 def fp32_weight_max_block_k(capability: int) -> int:
     """BLOCK_K for a genuinely fp32 gate weight: each chunk of the weight tile is held in fp32 and
-    as three bf16 terms at once. With 128-wide chunks the sm_90 compile of the H200 table's split-K
-    tiles spills 72-176 bytes (sm_80 / sm_89: up to 7 KB); 64 (sm_90+) and 32 (older, mma.sync
-    operands in registers) do not (``python -m vllm_router_ext.testing.aot``)."""
-    return 64 if capability >= 90 else 32
+    as three bf16 terms at once. Before sm_90 (mma.sync: operands in registers) 64- and 128-wide
+    chunks spill 0.1-7 KB per thread in the compile (``python -m vllm_router_ext.testing.aot``),
+    32 does not. On sm_90 the H200 table's 128-wide chunks spill 72-176 bytes, yet capping them
+    at 64 measured slower on the H200 (DeepSeek-V3 M=2048 157 -> 194 µs, docs/benchmarks.md):
+    no cap there."""
+    return 128 if capability >= 90 else 32
 
 
 def run_config(
@@ -123,8 +125,34 @@ def run_config(
     raise ValueError(f"unknown kernel {cfg.kernel!r}; allowed: gemv, splitk, tiled, cublas")
 
 
+#: Tokens from which an fp32 gate weight's GEMM runs on its three bf16 terms (one promoted fp32-mode
+#: GEMM on the stacked [3N, K] terms, then hi + mid + lo per logit) rather than splitting fp32
+#: weight tiles inside every program (which at 2048 tokens took 8-11x cuBLAS's bf16 GEMM on the
+#: H200: docs/benchmarks.md). Below it the GEMV / split-K read the fp32 weight itself (fewer bytes).
+FP32_WEIGHT_TERMS_FROM_M = 65
+
+
+def _fp32_weight_by_terms(
+    x: torch.Tensor, weight: torch.Tensor, terms: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``x @ weight.T`` for an fp32 weight from its bf16 terms: the fp32 mode's promoted GEMM on
+    ``terms`` [3N, K] gives hi, mid and lo logits; they are added smallest first."""
+    n = weight.shape[0]
+    parts = torch.empty((x.shape[0], 3 * n), dtype=torch.float32, device=x.device)
+    cfg = config_for(x, terms, RouterPrecision.FP32, False)
+    if cfg.kernel == "cublas":  # never for the fp32 mode; kept explicit
+        raise AssertionError("the fp32 mode has no cuBLAS path")
+    run_fitting_config(cfg, x, terms, parts, dot_mode_for(x.dtype, terms.dtype))
+    torch.add(parts[:, 2 * n :], parts[:, n : 2 * n], out=out)
+    return out.add_(parts[:, :n])
+
+
 def router_gemm_cuda(
-    x: torch.Tensor, weight: torch.Tensor, precision: RouterPrecision, batch_invariant: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    precision: RouterPrecision,
+    batch_invariant: bool,
+    weight_terms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -133,6 +161,16 @@ def router_gemm_cuda(
     out_dtype = x.dtype if precision is RouterPrecision.BF16 else torch.float32
     if x.shape[0] == 0:
         return torch.empty((0, weight.shape[0]), dtype=out_dtype, device=x.device)
+    if (
+        weight_terms is not None
+        and precision is RouterPrecision.FP32
+        and not batch_invariant  # one kernel for every M there: no switch by M
+        and x.dtype == torch.bfloat16
+        and weight.dtype == torch.float32
+        and x.shape[0] >= FP32_WEIGHT_TERMS_FROM_M
+    ):
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=out_dtype, device=x.device)
+        return _fp32_weight_by_terms(x, weight, weight_terms.contiguous(), out)
     cfg = config_for(x, weight, precision, batch_invariant)
     if cfg.kernel == "cublas":
         return _cublas(x, weight, out_dtype)  # allocates its own output
@@ -258,4 +296,10 @@ def describe_cuda_dispatch(
     ]
     tuned = "tuned table" if load_table(name).get("shapes", {}).get(f"{k}x{n}") else "heuristic configs"
     promo = ", promoted fp32 accumulation" if precision is RouterPrecision.FP32 else ""
-    return f"by M at run time: {', '.join(parts)} ({dot}{promo}; {tuned})"
+    terms = ""
+    if precision is RouterPrecision.FP32 and weight_dtype == torch.float32:
+        terms = (
+            f"; from M={FP32_WEIGHT_TERMS_FROM_M}: one GEMM on the weight's three bf16 terms "
+            "(split once at load), hi + mid + lo added per logit"
+        )
+    return f"by M at run time: {', '.join(parts)} ({dot}{promo}; {tuned}){terms}"

@@ -50,12 +50,32 @@ def check_router_gemm_inputs(x: torch.Tensor, weight: torch.Tensor, precision: R
         )
 
 
+def fp32_weight_terms(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 weight ``[N, K]`` as three bf16 terms stacked ``[3N, K]`` (hi, mid, lo; each the
+    truncation of what is left): ``hi + mid + lo == weight`` exactly for fp32 values down to
+    ~2^-110 (8 significant bits each = fp32's 24; below that lo would be subnormal), so
+    ``x @ term.T`` per term is three bf16 GEMMs whose products are exact in fp32. Made once when
+    the weight is loaded; the ``fp32`` mode's CUDA dispatch runs them as one GEMM at large M."""
+    w = weight.float().contiguous()
+    hi = _bf16_truncated(w)
+    rest = w - hi.float()  # exact: the low 16 bits of each value
+    mid = _bf16_truncated(rest)
+    lo = (rest - mid.float()).to(torch.bfloat16)  # exact: <= 8 significant bits remain
+    return torch.cat([hi, mid, lo])
+
+
+def _bf16_truncated(v: torch.Tensor) -> torch.Tensor:
+    # Truncation, not rounding: an fp32 value near its maximum would round up to inf in bf16.
+    return (v.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
 def router_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
     precision: RouterPrecision | str,
     *,
     batch_invariant: bool = False,
+    weight_terms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Router logits ``x @ weight.T`` in the mode's logits dtype.
 
@@ -64,13 +84,31 @@ def router_gemm(
         weight: gate weight ``[N, K]`` (bf16/fp16, or fp32 for the ``fp32`` mode).
         precision: a :class:`RouterPrecision` or its string value (``auto`` must be resolved).
         batch_invariant: a row's logits are bitwise independent of the batch it is in.
+        weight_terms: for an fp32 ``weight`` only, :func:`fp32_weight_terms` of it (made once by
+            the caller): lets the CUDA dispatch run the large-M GEMM on bf16 terms instead of
+            splitting fp32 weight tiles in every program. Ignored on CPU and when batch-invariant.
 
     Returns:
         ``[M, N]``: fp32 for ``fp32`` and ``bf16-fp32out``, ``x.dtype`` for ``bf16``.
     """
     precision = RouterPrecision.parse(precision, "the precision argument")
     check_router_gemm_inputs(x, weight, precision)
-    return torch.ops.router_ext.router_gemm(x, weight, precision.value, bool(batch_invariant))
+    if weight_terms is not None:
+        check_weight_terms(weight, weight_terms)
+    return torch.ops.router_ext.router_gemm(x, weight, precision.value, bool(batch_invariant), weight_terms)
+
+
+def check_weight_terms(weight: torch.Tensor, terms: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``terms`` is what :func:`fp32_weight_terms` makes of ``weight``
+    (shape, dtype, device; the values are the caller's promise)."""
+    if weight.dtype != torch.float32:
+        raise ValueError(f"weight_terms are for an fp32 weight; weight has dtype {weight.dtype}")
+    expected = (3 * weight.shape[0], weight.shape[1])
+    if terms.dtype != torch.bfloat16 or tuple(terms.shape) != expected or terms.device != weight.device:
+        raise ValueError(
+            f"weight_terms must be bfloat16 {list(expected)} on {weight.device} "
+            f"(fp32_weight_terms(weight)); got {terms.dtype} {list(terms.shape)} on {terms.device}"
+        )
 
 
 def _logits_dtype(x: torch.Tensor, precision: str) -> torch.dtype:
@@ -78,21 +116,33 @@ def _logits_dtype(x: torch.Tensor, precision: str) -> torch.dtype:
 
 
 def _router_gemm_cpu(
-    x: torch.Tensor, weight: torch.Tensor, precision: str, batch_invariant: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    precision: str,
+    batch_invariant: bool,
+    weight_terms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return router_gemm_native(x, weight, RouterPrecision(precision), batch_invariant)
 
 
 def _router_gemm_cuda(
-    x: torch.Tensor, weight: torch.Tensor, precision: str, batch_invariant: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    precision: str,
+    batch_invariant: bool,
+    weight_terms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     from vllm_router_ext.ops.dispatch import router_gemm_cuda
 
-    return router_gemm_cuda(x, weight, RouterPrecision(precision), batch_invariant)
+    return router_gemm_cuda(x, weight, RouterPrecision(precision), batch_invariant, weight_terms)
 
 
 def _router_gemm_fake(
-    x: torch.Tensor, weight: torch.Tensor, precision: str, batch_invariant: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    precision: str,
+    batch_invariant: bool,
+    weight_terms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=_logits_dtype(x, precision))
 
@@ -101,7 +151,10 @@ def _register() -> None:
     if hasattr(torch.ops.router_ext, "router_gemm"):
         return
     lib = torch.library.Library("router_ext", "FRAGMENT")
-    lib.define("router_gemm(Tensor x, Tensor weight, str precision, bool batch_invariant) -> Tensor")
+    lib.define(
+        "router_gemm(Tensor x, Tensor weight, str precision, bool batch_invariant, "
+        "Tensor? weight_terms=None) -> Tensor"
+    )
     lib.impl("router_gemm", _router_gemm_cpu, "CPU")
     lib.impl("router_gemm", _router_gemm_cuda, "CUDA")
     torch.library.register_fake("router_ext::router_gemm", _router_gemm_fake, lib=lib)
