@@ -242,20 +242,24 @@ def test_fp32_weight_terms_are_exact_and_checked(gen):
         check_weight_terms(w.to(torch.bfloat16), terms)
 
 
-@pytest.mark.parametrize("m", [5, 64, 65, 130])
-def test_fp32_weight_large_m_runs_on_its_terms(gen, monkeypatch, m):
-    """From FP32_WEIGHT_TERMS_FROM_M tokens (not batch-invariant) the dispatch runs an fp32 weight
-    as one promoted GEMM on its bf16 terms; below, on the weight itself. Both fp32-accurate."""
+@pytest.mark.parametrize("m,n", [(5, 40), (64, 40), (65, 40), (130, 40), (130, 24)])
+def test_fp32_weight_large_m_runs_on_its_terms(gen, monkeypatch, m, n):
+    """From FP32_WEIGHT_TERMS_FROM_M tokens and FP32_WEIGHT_TERMS_MIN_N experts (not
+    batch-invariant) the dispatch runs an fp32 weight as one promoted GEMM on its bf16 terms;
+    otherwise on the weight itself. Both fp32-accurate. (Thresholds scaled down here.)"""
     import vllm_router_ext.ops.dispatch as d
 
+    assert (d.FP32_WEIGHT_TERMS_FROM_M, d.FP32_WEIGHT_TERMS_MIN_N) == (2048, 128)  # H200-measured
+    monkeypatch.setattr(d, "FP32_WEIGHT_TERMS_FROM_M", 65)
+    monkeypatch.setattr(d, "FP32_WEIGHT_TERMS_MIN_N", 32)
     calls = []
     real = d._fp32_weight_by_terms
     monkeypatch.setattr(d, "_fp32_weight_by_terms", lambda *a: calls.append(1) or real(*a))
-    x, _ = _inputs(gen, m, 512, 40)
-    w = torch.randn(40, 512, generator=gen) / 22.6  # genuinely fp32
+    x, _ = _inputs(gen, m, 512, n)
+    w = torch.randn(n, 512, generator=gen) / 22.6  # genuinely fp32
     terms = fp32_weight_terms(w)
     out = router_gemm_cuda(x, w, RouterPrecision.FP32, False, terms)
-    assert bool(calls) == (m >= d.FP32_WEIGHT_TERMS_FROM_M)
+    assert bool(calls) == (m >= 65 and n >= 32)
     assert relative_error(out, reference_logits(x, w)) <= 1e-6
     calls.clear()
     router_gemm_cuda(x, w, RouterPrecision.FP32, True, terms)  # batch-invariant: one path for all M
@@ -457,6 +461,12 @@ def test_startup_description_of_the_cuda_dispatch(monkeypatch):
     assert text.endswith("cuBLAS above (16-bit MMA; tuned table)"), text
     text = d.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.float32, 7168, 256)
     assert "fp32 weight split into 3 bf16 MMAs" in text
+    assert text.endswith(
+        "; from M=2048: one GEMM on the weight's three bf16 terms (split once at load), "
+        "hi + mid + lo added per logit"
+    )
+    text = d.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.float32, 2048, 64)
+    assert "three bf16 terms" not in text  # DeepSeek-V2-Lite's 64 experts keep the in-kernel split
     text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, True, torch.bfloat16, 7168, 256)
     assert text.startswith("batch-invariant triton split-K, K split 512 (BLOCK_K 128) fixed for every M")
     assert "splits added in order" in text

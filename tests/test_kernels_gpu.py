@@ -89,17 +89,18 @@ def test_fp32_mode_accuracy(m, w_dtype):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 def test_fp32_weight_with_its_terms_accurate_and_graph_safe(shape):
     """What the gate layer runs for a genuinely fp32 weight: the op with the weight's bf16 terms
-    (one promoted GEMM on them from FP32_WEIGHT_TERMS_FROM_M tokens, the weight itself below)."""
+    (one promoted GEMM on them from FP32_WEIGHT_TERMS_FROM_M tokens and 128 experts, the weight
+    itself otherwise)."""
     w = torch.randn(shape.n, shape.k, device="cuda") / shape.k**0.5
     assert not torch.equal(w.to(torch.bfloat16).float(), w)
     terms = fp32_weight_terms(w)
-    for m in [0, 1, 7, 64, 65, 300, 4096, 16384]:
+    for m in [0, 1, 7, 300, 2047, 2048, 4096, 16384]:
         x = torch.randn(m, shape.k, device="cuda").to(torch.bfloat16)
         out = router_gemm(x, w, "fp32", weight_terms=terms)
         assert out.shape == (m, shape.n) and out.dtype == torch.float32
         if m:
             assert _rel(out, x, w) <= 1e-6, m
-    x = torch.randn(300, shape.k, device="cuda").to(torch.bfloat16)
+    x = torch.randn(2048, shape.k, device="cuda").to(torch.bfloat16)
     eager = router_gemm(x, w, "fp32", weight_terms=terms)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -119,7 +120,7 @@ def test_fp32_weight_near_the_fp32_maximum_stays_finite(use_terms):
     shape = SHAPES[0]
     w = torch.randn(shape.n, shape.k, device="cuda") / shape.k**0.5
     w[3, ::64] = 3.4e38 * torch.sign(torch.randn(shape.k // 64, device="cuda"))
-    for m in [1, 17, 300]:
+    for m in [1, 17, 300, 2048]:
         x = (torch.randn(m, shape.k, device="cuda") * 1e-3).to(torch.bfloat16)
         terms = fp32_weight_terms(w) if use_terms else None
         out = router_gemm(x, w, "fp32", weight_terms=terms)

@@ -125,11 +125,14 @@ def run_config(
     raise ValueError(f"unknown kernel {cfg.kernel!r}; allowed: gemv, splitk, tiled, cublas")
 
 
-#: Tokens from which an fp32 gate weight's GEMM runs on its three bf16 terms (one promoted fp32-mode
-#: GEMM on the stacked [3N, K] terms, then hi + mid + lo per logit) rather than splitting fp32
-#: weight tiles inside every program (which at 2048 tokens took 8-11x cuBLAS's bf16 GEMM on the
-#: H200: docs/benchmarks.md). Below it the GEMV / split-K read the fp32 weight itself (fewer bytes).
-FP32_WEIGHT_TERMS_FROM_M = 65
+#: Where an fp32 gate weight's GEMM runs on its three bf16 terms (one promoted fp32-mode GEMM on
+#: the stacked [3N, K] terms, then hi + mid + lo per logit) rather than splitting fp32 weight tiles
+#: inside every program: from 2048 tokens and 128 experts. Measured on the H200
+#: (benchmarks/probe_fp32_weight.py): 0.32-0.81x the in-kernel split's time from 2048 tokens on
+#: the four large shapes (DeepSeek-V3 M=8192 682 -> 219 µs), 0.53-1.27x at 128-1024, worse
+#: below (1.5x the bytes); DeepSeek-V2-Lite (64 experts) 0.83-1.72x: it keeps the in-kernel split.
+FP32_WEIGHT_TERMS_FROM_M = 2048
+FP32_WEIGHT_TERMS_MIN_N = 128
 
 
 def _fp32_weight_by_terms(
@@ -168,6 +171,7 @@ def router_gemm_cuda(
         and x.dtype == torch.bfloat16
         and weight.dtype == torch.float32
         and x.shape[0] >= FP32_WEIGHT_TERMS_FROM_M
+        and weight.shape[0] >= FP32_WEIGHT_TERMS_MIN_N
     ):
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=out_dtype, device=x.device)
         return _fp32_weight_by_terms(x, weight, weight_terms.contiguous(), out)
@@ -301,5 +305,7 @@ def describe_cuda_dispatch(
         terms = (
             f"; from M={FP32_WEIGHT_TERMS_FROM_M}: one GEMM on the weight's three bf16 terms "
             "(split once at load), hi + mid + lo added per logit"
+            if n >= FP32_WEIGHT_TERMS_MIN_N
+            else ""
         )
     return f"by M at run time: {', '.join(parts)} ({dot}{promo}; {tuned}){terms}"
