@@ -17,6 +17,9 @@ EXERCISED = {
     "vllm-router-audit ": "tests/test_audit.py::test_console_script_runs_on_the_tiny_checkpoint",
     "python -m vllm_router_ext.audit ": "tests/test_audit.py::test_cli_on_the_tiny_checkpoint",
     "python -m vllm_router_ext.testing.tiny_checkpoint": "tests/test_cli_tools.py::test_tiny_checkpoint_cli",
+    "python -m vllm_router_ext.testing.aot": (
+        "tests/test_kernels_compile.py::test_every_dispatched_kernel_compiles"
+    ),
 }
 
 
