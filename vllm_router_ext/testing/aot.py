@@ -9,7 +9,9 @@ the dispatch would run (every bucket of the tuned table for the shape, and the h
 other GPUs), launches them through the real launchers on CPU tensors with the launch intercepted,
 and compiles each captured launch with Triton's own argument specialisation for ``sm_<arch>``:
 a kernel that no longer compiles with the installed Triton, or that starts spilling registers,
-shows up here. Needs Triton's bundled ptxas; must run with ``TRITON_INTERPRET`` unset.
+shows up here. Needs Triton's bundled ptxas; must run with ``TRITON_INTERPRET`` unset. Uses
+Triton's internal argument binder (``create_function_from_signature``, ``JITFunction._pack_args``;
+the same in Triton 3.6 and 3.9), so it may need adjusting for a later Triton.
 """
 
 from __future__ import annotations
