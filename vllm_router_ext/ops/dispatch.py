@@ -71,10 +71,10 @@ def fp32_weight_max_block_k(capability: int) -> int:
     """BLOCK_K for a genuinely fp32 gate weight: each chunk of the weight tile is held in fp32 and
     as three bf16 terms at once. Before sm_90 (mma.sync: operands in registers) 64- and 128-wide
     chunks spill 0.1-7 KB per thread in the compile (``python -m vllm_router_ext.testing.aot``),
-    32 does not. On sm_90 the H200 table's 128-wide chunks spill 72-176 bytes, yet capping them
-    at 64 measured slower on the H200 (DeepSeek-V3 M=2048 157 -> 194 µs, docs/benchmarks.md):
-    no cap there."""
-    return 128 if capability >= 90 else 32
+    and on sm_100 64-wide heuristic tiles do too; 32 does not. On sm_90 the H200 table's 128-wide
+    chunks spill 72-176 bytes, yet capping them at 64 measured slower on the H200 (DeepSeek-V3
+    M=2048 157 -> 194 µs, docs/benchmarks.md): no cap on Hopper."""
+    return 128 if 90 <= capability < 100 else 32
 
 
 def run_config(
