@@ -28,16 +28,32 @@ GPUS = [
 ]
 
 
-@pytest.mark.parametrize("arch,name,sms", GPUS, ids=[f"sm{a}-{n.split()[1]}" for a, n, _ in GPUS])
-def test_every_dispatched_kernel_compiles(tmp_path, arch, name, sms):
+@pytest.fixture(scope="module")
+def compile_runs(tmp_path_factory):
+    """One compile run per GPU, all started at once (they are CPU-bound: CI's cores share them)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, every time
-    report = tmp_path / "aot.json"
-    cmd = [sys.executable, "-m", "vllm_router_ext.testing.aot", "--arch", str(arch)]
-    cmd += ["--device-name", name, "--sms", str(sms), "--json", str(report)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    results = json.loads(report.read_text())
+    runs = {}
+    for arch, name, sms in GPUS:
+        out = tmp_path_factory.mktemp(f"aot-sm{arch}")
+        env_one = env | {"TRITON_CACHE_DIR": str(out / "triton-cache")}  # compile for real, every time
+        cmd = [sys.executable, "-m", "vllm_router_ext.testing.aot", "--arch", str(arch)]
+        cmd += ["--device-name", name, "--sms", str(sms), "--json", str(out / "aot.json")]
+        log = open(out / "log.txt", "w")  # noqa: SIM115 -- closed below, after the process ends
+        runs[name] = (subprocess.Popen(cmd, env=env_one, stdout=log, stderr=subprocess.STDOUT), out, log)
+    yield runs
+    for proc, _, log in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        log.close()
+
+
+@pytest.mark.parametrize("arch,name,sms", GPUS, ids=[f"sm{a}-{n.split()[1]}" for a, n, _ in GPUS])
+def test_every_dispatched_kernel_compiles(compile_runs, arch, name, sms):
+    proc, out, _ = compile_runs[name]
+    returncode = proc.wait(timeout=1200)
+    assert returncode == 0, (out / "log.txt").read_text()[-5000:]
+    results = json.loads((out / "aot.json").read_text())
     kernels = {r["kernel"] for r in results}
     # every kernel family is reached: the GEMV, split-K (ticket, pipelined, splits in one program)
     # and, for the fp32 mode at the largest M, the tiled kernel
