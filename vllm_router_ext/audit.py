@@ -26,6 +26,7 @@ import torch
 
 from vllm_router_ext.ops import router_gemm
 from vllm_router_ext.ops.reference import RoutingConfig, changed_expert_sets, select_experts
+from vllm_router_ext.ops.router_gemm import fp32_weight_terms
 from vllm_router_ext.precision import DEEPSEEK_V2_FAMILY
 
 DEEPSEEK_MODEL_TYPES = ("deepseek", "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa")
@@ -155,8 +156,10 @@ def audit_layer(x, w, bias, routing: RoutingConfig, paths: list[tuple[str, str, 
     xd = x.to(device)
     out = {}
     for label, mode, bi in paths:
-        weight = w if mode == "fp32" else w.to(torch.bfloat16)
-        logits = router_gemm(xd, weight.to(device), mode, batch_invariant=bi).cpu()
+        weight = (w if mode == "fp32" else w.to(torch.bfloat16)).to(device)
+        # as the gate layer serves an fp32 weight: with its bf16 terms (used at large M on CUDA)
+        terms = fp32_weight_terms(weight) if weight.dtype == torch.float32 and not bi else None
+        logits = router_gemm(xd, weight, mode, batch_invariant=bi, weight_terms=terms).cpu()
         # Route as vLLM does for this config, in fp32 (bf16 logits keep their rounding).
         ids, wts = select_experts(logits.float(), routing, None if bias is None else bias.float())
         delta = _routed_weight_delta(ids, wts, ref_ids, ref_w, n)
