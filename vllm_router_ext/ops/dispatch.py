@@ -3,7 +3,8 @@
 - ``bf16-fp32out`` / ``bf16``: split-K Triton kernel at small M, tiled kernel at large M, cuBLAS
   where the tuned table measured it faster on this GPU ("never slower than cuBLAS").
 - ``fp32``: the same kernels with promoted fp32 accumulation; an fp32 weight is split exactly
-  into three bf16 terms; fp32 activations use IEEE fp32 dots. Never TF32.
+  into three bf16 terms (inside the kernels, or from 2048 tokens one GEMM on the terms the gate
+  layer made at load); fp32 activations use IEEE fp32 dots. Never TF32.
 - batch-invariant: the split-K kernel with one K structure for every M (no switch of kernel, dtype
   or K split by M); only tiles and where the split sum happens (a ticket at small M, in registers
   of one program at large M) vary, among configs verified bitwise equal. A tuned table may instead
