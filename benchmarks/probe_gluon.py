@@ -62,6 +62,23 @@ def _instr_n(block_m, block_n, num_warps):
 
 
 @gluon.jit
+def _load_chunk(
+    x_desc, w_desc, a_bufs, b_bufs, ready, j, off_m, off_n, k_begin, k_end,
+    K: gl.constexpr, TOTAL: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """TMA loads of chunk ``j`` (nothing past TOTAL) into its ring stage. A chunk past this split's
+    end is loaded from column K (entirely out of bounds): TMA fills it with zeros, which add
+    exactly nothing."""
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    s = j % STAGES
+    k = k_begin + j * BK
+    k = gl.where(k < k_end, k, K)
+    mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=j < TOTAL)
+    tma.async_copy_global_to_shared(x_desc, [off_m, k], ready.index(s), a_bufs.index(s), pred=j < TOTAL)
+    tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(s), b_bufs.index(s), pred=j < TOTAL)
+
+
+@gluon.jit
 def _promoted_wgmma_kernel(
     x_desc, w_desc, out_ptr, M, N, stride_os, stride_om,
     K: gl.constexpr, K_PER_SPLIT: gl.constexpr, PROMOTE: gl.constexpr, STAGES: gl.constexpr,
@@ -73,7 +90,6 @@ def _promoted_wgmma_kernel(
     PAIR: gl.constexpr = 2 * PROMOTE
     N_PAIRS: gl.constexpr = (K_PER_SPLIT + PAIR * BK - 1) // (PAIR * BK)
     TOTAL: gl.constexpr = N_PAIRS * PAIR
-    BYTES: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
 
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
@@ -94,17 +110,10 @@ def _promoted_wgmma_kernel(
     for st in gl.static_range(STAGES):
         mbarrier.init(ready.index(st), count=1)
 
-    # Prologue: chunks 0 .. STAGES-2 in flight. A chunk past this split's end is loaded from
-    # column K (entirely out of bounds): TMA fills it with zeros, which add exactly nothing.
+    # Prologue: chunks 0 .. STAGES-2 in flight.
     for pre in gl.static_range(STAGES - 1):
-        kp = k_begin + pre * BK
-        kp = gl.where(kp < k_end, kp, K)
-        mbarrier.expect(ready.index(pre), BYTES, pred=pre < TOTAL)
-        tma.async_copy_global_to_shared(
-            x_desc, [off_m, kp], ready.index(pre), a_bufs.index(pre), pred=pre < TOTAL
-        )
-        tma.async_copy_global_to_shared(
-            w_desc, [off_n, kp], ready.index(pre), b_bufs.index(pre), pred=pre < TOTAL
+        _load_chunk(
+            x_desc, w_desc, a_bufs, b_bufs, ready, pre, off_m, off_n, k_begin, k_end, K, TOTAL, STAGES
         )
 
     acc_a = gl.zeros((BM, BN), gl.float32, mma)
@@ -132,17 +141,10 @@ def _promoted_wgmma_kernel(
                     total = total + acc_b
                 if c == PROMOTE:
                     total = total + acc_a
-            j = i + STAGES - 1
-            sj = j % STAGES
-            k = k_begin + j * BK
-            k = gl.where(k < k_end, k, K)
-            mbarrier.expect(ready.index(sj), BYTES, pred=j < TOTAL)
-            tma.async_copy_global_to_shared(
-                x_desc, [off_m, k], ready.index(sj), a_bufs.index(sj), pred=j < TOTAL
-            )
-            tma.async_copy_global_to_shared(
-                w_desc, [off_n, k], ready.index(sj), b_bufs.index(sj), pred=j < TOTAL
-            )
+            _load_chunk(
+                x_desc, w_desc, a_bufs, b_bufs, ready, i + STAGES - 1, off_m, off_n, k_begin, k_end, K,
+                TOTAL, STAGES,
+            )  # fmt: skip
 
     acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
     if NO_PROMOTE:

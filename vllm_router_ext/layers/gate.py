@@ -172,11 +172,11 @@ class RouterGateLinear(GateLinear):
             self.router_gemm = RouterGemm(settings.precision, settings.batch_invariant)
         super().weight_loader(param, loaded_weight)
         # Made again at every load (weight updates too), so the terms never go stale. Only the
-        # CUDA dispatch reads them (forward_native computes in fp32 from the weight itself).
+        # CUDA dispatch reads them, in the fp32 mode without batch invariance (forward_native
+        # computes in fp32 from the weight itself).
+        uses_terms = settings.precision is RouterPrecision.FP32 and not settings.batch_invariant
         self.router_weight_terms = (
-            fp32_weight_terms(param.data)
-            if param.dtype == torch.float32 and not settings.batch_invariant
-            else None
+            fp32_weight_terms(param.data) if uses_terms and param.dtype == torch.float32 else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, None]:

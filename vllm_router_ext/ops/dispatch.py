@@ -99,20 +99,19 @@ def run_config(
         return gemv_launch(x, weight, out, **params)
     if cfg.kernel == "splitk":
         if weight.dtype == torch.float32:
+            # fp32 weight tiles are held in fp32 and as three bf16 terms. Narrower chunks where
+            # registers need it; 128-wide pipelined tiles overflow shared memory: 64x64, two
+            # stages. Both the same for every M of a mode (its buckets share one BLOCK_K, and the
+            # tile cap changes no sum), so batch invariance is kept.
             if capability is None:
                 capability = _device_info(x.device.index or 0)[2] if x.is_cuda else 90
-            # Narrower chunks for fp32 weight tiles (registers), the same for every M: batch
-            # invariance is kept because every bucket of a mode shares one BLOCK_K.
             params["block_k"] = min(params["block_k"], fp32_weight_max_block_k(capability))
+            if params.get("num_stages", 1) > 1:
+                params.update(
+                    block_m=min(params["block_m"], 64), block_n=min(params["block_n"], 64), num_stages=2
+                )
         if not params.get("promote_chunks"):
             params["promote_chunks"] = params["k_per_split"] // params["block_k"]
-        if weight.dtype == torch.float32 and params.get("num_stages", 1) > 1:
-            # fp32 weight tiles (and their three bf16 terms) overflow shared memory in 128-wide
-            # pipelined tiles: cap them at 64x64, two stages. BLOCK_K and promotion stay, so the
-            # sums (and batch invariance across unrolled and pipelined configs) do not change.
-            params.update(
-                block_m=min(params["block_m"], 64), block_n=min(params["block_n"], 64), num_stages=2
-            )
         return splitk_launch(x, weight, out, dot_mode=dot_mode, **params)
     if cfg.kernel == "tiled":
         if weight.dtype == torch.float32:
