@@ -19,7 +19,6 @@ loop's own speed, not fp32-accurate). Optional K split: partials [S, M, N] summe
 (its time included).
 """
 
-
 import argparse
 import json
 import sys
@@ -158,11 +157,13 @@ def _pingpong_kernel(x_desc, w_desc, out_ptr, M, N, stride_os, stride_om,
         mbarrier.init(empty.index(st), count=2)  # both consumers release a stage
 
     worker_args = (x_desc, w_desc, a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om,
-                   off_m, off_n, pid_s, k_begin, k_end, Plan(K, LEAD2, PROMOTE, N_CHUNKS, STAGES))  # fmt: skip
+                   off_m, off_n, pid_s, k_begin, k_end,
+                   Plan(K, LEAD2, PROMOTE, N_CHUNKS, STAGES))  # fmt: skip
+    first_args = (a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om, off_m, off_n,
+                  pid_s, 0, PROMOTE, PROMOTE, N_CHUNKS, STAGES)  # fmt: skip
     gl.warp_specialize(
         [
-            (_consumer, (a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om, off_m,
-                         off_n, pid_s, 0, PROMOTE, PROMOTE, N_CHUNKS, STAGES)),  # fmt: skip
+            (_consumer, first_args),
             (_second_consumer, worker_args),
             (_producer_part, worker_args),
         ],
@@ -287,7 +288,8 @@ def _probe_point(shape, m: int, splits: list[int]) -> dict:
             try:
                 parts[0].fill_(float("nan"))
                 e = err(call(xs[0], ws[0], parts[0]))
-                t = time_graph([lambda x=x, w=w, p=p: call(x, w, p) for (x, w), p in zip(pairs, parts, strict=True)])
+                calls = [lambda x=x, w=w, p=p: call(x, w, p) for (x, w), p in zip(pairs, parts, strict=True)]
+                t = time_graph(calls)
             except Exception as exc:  # noqa: BLE001 -- a variant that does not build is reported
                 print(f"  {tag}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 continue
