@@ -159,17 +159,20 @@ def _pingpong_kernel(x_desc, w_desc, out_ptr, M, N, stride_os, stride_om,
     worker_args = (x_desc, w_desc, a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om,
                    off_m, off_n, pid_s, k_begin, k_end,
                    Plan(K, LEAD2, PROMOTE, N_CHUNKS, STAGES))  # fmt: skip
-    first_args = (a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om, off_m, off_n,
-                  pid_s, 0, PROMOTE, PROMOTE, N_CHUNKS, STAGES)  # fmt: skip
+    # fmt: off
+    # (the default partition's constexpr arguments must be written in place: a tuple variable
+    # turns them into runtime integers)
     gl.warp_specialize(
         [
-            (_consumer, first_args),
+            (_consumer, (a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om, off_m,
+                         off_n, pid_s, 0, PROMOTE, PROMOTE, N_CHUNKS, STAGES)),
             (_second_consumer, worker_args),
             (_producer_part, worker_args),
         ],
         [4, 1],
         [REGS, 40],
     )
+    # fmt: on
 
 
 def pingpong(x, w, out, *, block_n=128, block_k=64, promote=4, offset=True, stages=4, k_per_split=0,
