@@ -39,6 +39,8 @@ from triton.language.core import _aggregate as aggregate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# Triton 3.6 calls the TMA load async_copy_global_to_shared; 3.9 renamed it async_load.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 HALF = gl.constexpr(64)  # rows per consumer warpgroup (one m64 wgmma)
 
 
@@ -121,8 +123,8 @@ def _producer_part(x_desc, w_desc, a_bufs, b_bufs, ready, empty, out_ptr, M, N, 
         k = k_begin + i * BK
         k = gl.where(k < k_end, k, plan.K)
         mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [off_m, k], ready.index(s), a_bufs.index(s))
-        tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(s), b_bufs.index(s))
+        _tma_load(x_desc, [off_m, k], ready.index(s), a_bufs.index(s))
+        _tma_load(w_desc, [off_n, k], ready.index(s), b_bufs.index(s))
 
 
 @gluon.jit
@@ -243,7 +245,7 @@ def _compile_only(arch: int) -> int:
         try:
             k = triton.compile(src, target=target, options=options.__dict__)
         except Exception as exc:  # noqa: BLE001 -- report and go on
-            print(f"{tag}: {type(exc).__name__}: {str(exc)[:1500]}")
+            print(f"{tag}: {type(exc).__name__}: {str(exc)[-3000:]}")
             continue
         regs, stack = _resources(k)
         sass_waits = re.findall(r"WARPGROUP.DEPBAR[^\n]*", k.asm.get("sass", "") or "")

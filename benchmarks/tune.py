@@ -33,6 +33,7 @@ from csrc_triton.configs import (  # noqa: E402
     fp32_promote_chunks,
     pipelined_splitk_config,
     splitk_config,
+    wgmma_ws_config,
 )
 from vllm_router_ext.benchmarking import (  # noqa: E402
     M_LIST,
@@ -374,15 +375,38 @@ TARGETED_GEMV = {  # M -> (block_m, block_n, num_warps)
     16: [(4, 4, 4), (4, 2, 4), (2, 4, 4)],
 }
 TARGETED_FP32_MID = [(64, 64, 1024, 4), (64, 64, 2048, 4), (128, 128, 3584, 8)]
+#: The fp32 mode's warp-specialised wgmma kernel (Hopper): from this M, K split into these many
+#: parts (as long as the 128-row tiles times the splits stay within two per SM), 6 TMA stages
+#: (the probe's winner at every M: benchmarks/probe_pingpong.py).
+WGMMA_WS_TUNE_FROM = 512
+WGMMA_WS_SPLITS = (1, 2, 3, 4, 6, 8)
 
 
-def targeted_candidates(m: int, mode: str) -> list[KernelConfig]:
+def wgmma_ws_candidates(m: int, k: int, n: int) -> list[KernelConfig]:
+    from csrc_triton import gluon_available
+
+    if torch.cuda.get_device_capability()[0] != 9 or not gluon_available() or m < WGMMA_WS_TUNE_FROM:
+        return []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = []
+    for block_n in (128, 64) if n % 128 else (128,):
+        tiles = -(-m // 128) * -(-n // block_n)
+        for splits in WGMMA_WS_SPLITS:
+            per_split = (-(-k // splits) + 255) // 256 * 256
+            if tiles * splits <= 2 * sms and per_split < k or splits == 1:
+                out.append(wgmma_ws_config(block_n, 0 if splits == 1 else per_split))
+    return list(dict.fromkeys(out))
+
+
+def targeted_candidates(m: int, mode: str, k: int = 0, n: int = 0) -> list[KernelConfig]:
     cands = [
         KernelConfig("gemv", dict(block_m=bm, block_n=bn, k_per_split=0, num_warps=w))
         for bm, bn, w in TARGETED_GEMV.get(m, [])
     ]
     if mode == "fp32" and 128 <= m <= 8192:
         cands += [pipelined_splitk_config(bm, bn, kps, mode, w) for bm, bn, kps, w in TARGETED_FP32_MID]
+    if mode == "fp32":
+        cands += wgmma_ws_candidates(m, k, n)
     return cands
 
 
@@ -427,7 +451,7 @@ def tune_targeted(shape, mode: str, old: list[dict], ms) -> list[dict]:
     """Time the targeted candidates and the table's current config at each M; keep the fastest."""
     new = {}
     for m in ms:
-        cands = targeted_candidates(m, mode)
+        cands = targeted_candidates(m, mode, shape.k, shape.n)
         if not cands:
             continue
         current = bucket_config(old, m)

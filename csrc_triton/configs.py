@@ -2,7 +2,8 @@
 
 A table maps a (K, N) shape and a mode to buckets ``{"max_m": int | null, "kernel": ..., params}``,
 looked up by the first bucket whose ``max_m`` >= M. ``kernel`` is ``gemv``, ``splitk``,
-``tiled`` or ``cublas`` (the 16-bit modes: where cuBLAS measured faster on that GPU). Batch-invariant tables
+``tiled``, ``wgmma_ws`` (the ``fp32`` mode on Hopper at prefill sizes) or ``cublas`` (the 16-bit
+modes: where cuBLAS measured faster on that GPU). Batch-invariant tables
 hold split-K configs that share one K structure (K_PER_SPLIT, BLOCK_K, promotion) for every M; only
 tiles, pipelining and where the partials are added (ticket or ``splits_in_program``) vary with M,
 and the tuner admits only configs bitwise equal to the structure's reference. Nothing here
@@ -38,7 +39,7 @@ PARAM_KEYS = (
 
 @dataclass(frozen=True)
 class KernelConfig:
-    kernel: str  # "gemv" | "splitk" | "tiled" | "cublas"
+    kernel: str  # "gemv" | "splitk" | "tiled" | "wgmma_ws" | "cublas"
     params: dict[str, Any] = field(default_factory=dict)
     source: str = "heuristic"
 
@@ -46,6 +47,8 @@ class KernelConfig:
         if self.kernel == "cublas":
             return "cuBLAS"
         keys = ("block_m", "block_n", "block_k", "k_per_split", "promote_chunks", "num_warps", "num_stages")
+        if self.kernel == "wgmma_ws":  # fixed: 128-row tiles, two consumer warpgroups, one loader warp
+            keys = ("block_n", "block_k", "k_per_split", "promote_chunks", "num_stages")
         inner = ",".join(f"{k}={self.params[k]}" for k in keys if k in self.params)
         if self.params.get("splits_in_program"):
             inner += ",splits_in_program"
@@ -142,6 +145,39 @@ def pipelined_splitk_config(
 #: Batch-invariant heuristic: above this M, a tile's splits run in one program (same sums).
 BI_SPLITS_IN_PROGRAM_FROM = 256
 
+#: The warp-specialised wgmma kernel (``csrc_triton/router_gemm_wgmma_ws.py``, Hopper only) serves
+#: the fp32 mode from this M: 128-row tiles, 64-wide chunks in chains of 4 (256 along K), 6 TMA
+#: stages (196 KB of shared memory: one program per SM), K split so the tiles fill the SMs once.
+#: On the H200 (benchmarks/probe_pingpong.py) it beat the Triton fp32 kernels from 1024 tokens.
+WGMMA_WS_FROM_M = 1024
+WGMMA_WS_BLOCK_M = 128
+WGMMA_WS_MAX_SPLITS = 8
+
+
+def wgmma_ws_config(block_n: int, k_per_split: int, block_k: int = 64, num_stages: int = 6) -> KernelConfig:
+    """A ``wgmma_ws`` config: fp32-mode chains of 256 along K (4 chunks of 64, 2 of 128)."""
+    return KernelConfig(
+        "wgmma_ws",
+        dict(
+            block_n=block_n,
+            block_k=block_k,
+            k_per_split=k_per_split,
+            promote_chunks=2 * FP32_MAX_BLOCK_K // block_k,
+            num_stages=num_stages,
+        ),
+    )
+
+
+def wgmma_ws_split(m: int, k: int, n: int, block_n: int, sm_count: int) -> int:
+    """K per split for the ``wgmma_ws`` kernel: enough splits (<= 8) for its 128 x block_n tiles to
+    fill the SMs once (one program per SM), in multiples of 256; 0 = no split."""
+    tiles = -(-m // WGMMA_WS_BLOCK_M) * -(-n // block_n)
+    splits = max(1, min(WGMMA_WS_MAX_SPLITS, sm_count // tiles, k // 512))
+    if splits == 1:
+        return 0
+    per_split = -(-k // splits)
+    return (per_split + 255) // 256 * 256
+
 
 def heuristic_config(
     m: int,
@@ -152,6 +188,7 @@ def heuristic_config(
     sm_count: int,
     cublas: bool = False,
     capability: int = 90,
+    wgmma_ws: bool | None = None,
 ) -> KernelConfig:
     """Default for shapes and GPUs without a tuned table (the H200 probe's winners, generalised).
     Up to 4 tokens: the FMA GEMV, one K split. Up to 64: unrolled split-K with >= 2 programs per
@@ -165,8 +202,18 @@ def heuristic_config(
     ``capability`` (compute capability x10): below 90 (no wgmma) the fp32 mode's promoted
     128x128 tiles need two register accumulators of 64 values per thread beside the mma.sync
     operands and spill (sm_80 / sm_89 compile, ``python -m vllm_router_ext.testing.aot``), so
-    those GPUs get 128x64 tiles."""
+    those GPUs get 128x64 tiles. On Hopper (9.x) the fp32 mode takes the warp-specialised wgmma
+    kernel from WGMMA_WS_FROM_M tokens when this Triton has Gluon (``wgmma_ws``: None = find out;
+    False = never, the kernel's own fallback)."""
     fp32 = mode == "fp32"
+    if fp32 and not batch_invariant and capability // 10 == 9 and m >= WGMMA_WS_FROM_M:
+        if wgmma_ws is None:
+            from csrc_triton import gluon_available
+
+            wgmma_ws = gluon_available()
+        if wgmma_ws:
+            block_n = 128 if n > 64 else 64
+            return wgmma_ws_config(block_n, wgmma_ws_split(m, k, n, block_n, sm_count))
     if not batch_invariant and m <= 4:
         block_m = min(2, 1 << (m - 1).bit_length())
         # 8 warps: what the H200 table picks at 1-4 tokens (or more); with 4 warps and two tokens

@@ -395,7 +395,7 @@ def test_heuristic_configs_are_well_formed():
     for m in (1, 4, 5, 16, 64, 65, 4096, 16384):
         for bi in (False, True):
             for mode in ("fp32", "bf16-fp32out"):
-                cfg = heuristic_config(m, 7168, 256, mode, bi, 132)
+                cfg = heuristic_config(m, 7168, 256, mode, bi, 132, wgmma_ws=False)
                 p = cfg.params
                 if cfg.kernel == "splitk":
                     chunks = p["promote_chunks"] or p["k_per_split"] // p["block_k"]
@@ -415,6 +415,66 @@ def test_heuristic_configs_are_well_formed():
         assert len(small) == len(large) == 1
         (s,), (g,) = small, large
         assert g.params == {**s.params, "num_stages": 3, "splits_in_program": True}
+
+
+def test_heuristic_takes_the_wgmma_ws_kernel_only_where_it_runs():
+    """The fp32 mode on Hopper from WGMMA_WS_FROM_M tokens, with a Triton that has Gluon; never
+    under batch invariance (one kernel for every M), in the 16-bit modes, or on other GPUs."""
+    from csrc_triton.configs import WGMMA_WS_FROM_M, wgmma_ws_split
+
+    def kernel(m, mode="fp32", bi=False, cap=90, ws=True, n=256):
+        return heuristic_config(m, 7168, n, mode, bi, 132, capability=cap, wgmma_ws=ws).kernel
+
+    assert kernel(WGMMA_WS_FROM_M) == kernel(16384) == "wgmma_ws"
+    assert kernel(WGMMA_WS_FROM_M - 1) == "splitk"
+    assert kernel(4096, bi=True) == kernel(4096, mode="bf16-fp32out") == "splitk"
+    assert kernel(16384, cap=80) == kernel(16384, cap=100) == kernel(16384, ws=False) == "tiled"
+    cfg = heuristic_config(1024, 7168, 256, "fp32", False, 132, wgmma_ws=True)
+    p = cfg.params
+    assert p["block_k"] * p["promote_chunks"] == 256 and p["promote_chunks"] >= 2  # fp32-mode chains
+    assert heuristic_config(4096, 2048, 64, "fp32", False, 132, wgmma_ws=True).params["block_n"] == 64
+    # K split: the 128-row tiles times the splits fill the SMs once, in multiples of 256.
+    assert wgmma_ws_split(1024, 7168, 256, 128, 132) == 1024  # 16 tiles x 7 splits
+    assert wgmma_ws_split(2048, 7168, 256, 128, 132) == 1792  # 32 tiles x 4
+    assert wgmma_ws_split(8192, 7168, 256, 128, 132) == 0  # 128 tiles: no split
+    assert wgmma_ws_split(1024, 2048, 64, 64, 132) == 512  # at most K / 512 splits
+
+
+def test_wgmma_ws_config_falls_back_to_triton_where_it_cannot_run(gen, caplog):
+    """Under the interpreter (as for an fp32 weight, unaligned rows or a Triton without Gluon on a
+    GPU) a wgmma_ws config runs the heuristic's Triton kernel: same accuracy, one log line."""
+    from csrc_triton.configs import wgmma_ws_config
+    from csrc_triton.router_gemm_wgmma_ws import unsupported_reason
+
+    x, w = _inputs(gen, 40, 300, 24, row_stride=320)
+    assert "TRITON_INTERPRET" in unsupported_reason(x, w, 90) or DEV == "cuda"
+    out = _poisoned(40, 24, torch.float32)
+    with caplog.at_level("INFO", logger="vllm.vllm_router_ext.ops.dispatch"):
+        run_config(wgmma_ws_config(128, 0), x, w, out, DOT_NATIVE)
+    assert relative_error(out, reference_logits(x, w)) <= 1e-6
+    if DEV == "cpu":
+        assert "cannot run (TRITON_INTERPRET=1" in caplog.text
+
+
+def test_wgmma_ws_requirements_name_the_problem(monkeypatch):
+    from csrc_triton.router_gemm_wgmma_ws import GLUON, unsupported_reason, wgmma_ws_launch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.zeros(4, 7168, dtype=torch.bfloat16)
+    w = torch.zeros(256, 7168, dtype=torch.bfloat16)
+    assert "needs 9.x" in unsupported_reason(x, w, 80)
+    if GLUON:
+        assert unsupported_reason(x, w, 90) is None
+        assert "dtypes" in unsupported_reason(x, w.float(), 90)
+        odd = torch.zeros(4, 7169, dtype=torch.bfloat16)[:, :7168]
+        assert "16-byte" in unsupported_reason(odd, w, 90)
+    out = torch.empty(4, 256)
+    with pytest.raises(ValueError, match="promote_chunks=1 with block_k=64"):
+        wgmma_ws_launch(x, w, out, block_n=128, block_k=64, promote_chunks=1, num_stages=6)
+    with pytest.raises(ValueError, match="promote_chunks=8 with block_k=64"):
+        wgmma_ws_launch(x, w, out, block_n=128, block_k=64, promote_chunks=8, num_stages=6)
+    with pytest.raises(ValueError, match="fp32 logits"):
+        wgmma_ws_launch(x, w, out.bfloat16(), block_n=128, block_k=64, promote_chunks=4, num_stages=6)
 
 
 def test_tuned_table_lookup(monkeypatch):

@@ -5,6 +5,7 @@ version of the CPU build installed here), and the interpreter tests never compil
 every config the dispatch would launch (``vllm_router_ext.testing.aot``: each mode, bf16 and fp32
 gate weights, batch invariance on and off, M from 1 to 16384) is compiled here for the GPUs users
 run: the H200 with its tuned table, and H100 / A100 / L40S / B200 with the heuristic configs.
+On sm_90 this includes the Gluon ``wgmma_ws`` kernel, which has no interpreter form at all.
 Heuristic configs (never measured on those GPUs) must not spill registers (beyond one parked
 8-byte value); tuned entries were timed on their GPU and may (the tuner keeps the fastest).
 """
@@ -59,6 +60,8 @@ def test_every_dispatched_kernel_compiles(compile_runs, arch, name, sms):
     # and, for the fp32 mode at the largest M, the tiled kernel
     assert {"_gemv_kernel", "_splitk_partials_kernel", "_tiled_kernel"} <= kernels, kernels
     assert any("splits_in_program" in r["what"] for r in results)
+    if arch == 90:  # the fp32 mode's warp-specialised Gluon kernel (tuned table and heuristic)
+        assert "_wgmma_ws_kernel" in kernels, kernels
     assert any("fp32 weight" in r["what"] for r in results)
     tuned = name == "NVIDIA H200"
     assert any(r["source"].startswith("tuned") for r in results) == tuned

@@ -76,6 +76,70 @@ def test_gemv_kernel_poisoned_and_accurate(shape, params, w_dtype):
         assert _rel(out, x, w) <= 1e-6, (m, cfg.describe())
 
 
+def _hopper() -> bool:
+    return torch.cuda.get_device_capability()[0] == 9
+
+
+WGMMA_WS_SPLITS = [0, 1792, 1024]  # none; whole chains per split; a split that ends mid-chain (K=5120)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("k_per_split", WGMMA_WS_SPLITS, ids=lambda v: f"kps{v}")
+@pytest.mark.parametrize("block_n", [128, 64])
+def test_wgmma_ws_kernel_poisoned_and_accurate(shape, k_per_split, block_n):
+    """The warp-specialised wgmma kernel (Hopper), unsplit and split, both tile widths, on every
+    shape, M around its 128-row tiles, strided activations: all of ``out`` written, fp32-mode
+    accuracy (<= 1e-6: an unpromoted whole-K chain measures ~8e-6 at K=7168)."""
+    from csrc_triton.configs import wgmma_ws_config
+    from csrc_triton.router_gemm_wgmma_ws import unsupported_reason
+
+    if not _hopper():
+        pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
+    cfg = wgmma_ws_config(block_n, k_per_split)
+    for m in (1, 3, 127, 128, 129, 1000, 4097):
+        x, w = _xw(m, shape, row_stride=shape.k + 64)
+        assert unsupported_reason(x, w, 90) is None
+        out = torch.full((m, shape.n), float("nan"), device="cuda")
+        run_config(cfg, x, w, out, dot_mode_for(x.dtype, w.dtype))
+        assert not out.isnan().any(), (m, cfg.describe())
+        assert _rel(out, x, w) <= 1e-6, (m, cfg.describe())
+
+
+def test_wgmma_ws_falls_back_where_tma_cannot_read_the_rows():
+    """Rows whose stride is not a multiple of 16 bytes cannot be TMA-loaded: the config runs on
+    the heuristic's Triton kernel instead, with the same accuracy."""
+    from csrc_triton.configs import wgmma_ws_config
+    from csrc_triton.router_gemm_wgmma_ws import unsupported_reason
+
+    shape = SHAPES[0]
+    x, w = _xw(300, shape, row_stride=shape.k + 1)
+    assert unsupported_reason(x, w, 90) is not None
+    out = torch.full((300, shape.n), float("nan"), device="cuda")
+    run_config(wgmma_ws_config(128, 1792), x, w, out, dot_mode_for(x.dtype, w.dtype))
+    assert not out.isnan().any() and _rel(out, x, w) <= 1e-6
+
+
+@pytest.mark.parametrize("k_per_split", [0, 1792], ids=lambda v: f"kps{v}")
+def test_wgmma_ws_graph_replay_equals_eager(k_per_split):
+    from csrc_triton.configs import wgmma_ws_config
+
+    if not _hopper():
+        pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
+    cfg = wgmma_ws_config(128, k_per_split)
+    x, w = _xw(2000, SHAPES[1])
+    eager = run_config(cfg, x, w, torch.empty(2000, w.shape[0], device="cuda"), 0)
+    out = torch.full_like(eager, float("nan"))
+    run_config(cfg, x, w, out, 0)  # warm-up (compile) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_config(cfg, x, w, out, 0)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
 @pytest.mark.parametrize("m", [0, 1, 7, 16, 300, 4096, 16384])
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32], ids=["bf16-weight", "fp32-weight"])
 def test_fp32_mode_accuracy(m, w_dtype):

@@ -2,7 +2,9 @@
 
 - ``bf16-fp32out`` / ``bf16``: split-K Triton kernel at small M, tiled kernel at large M, cuBLAS
   where the tuned table measured it faster on this GPU ("never slower than cuBLAS").
-- ``fp32``: the same kernels with promoted fp32 accumulation; an fp32 weight is split exactly
+- ``fp32``: the same kernels with promoted fp32 accumulation (from ~1024 tokens on Hopper the
+  warp-specialised wgmma kernel, ``wgmma_ws``: same sums, the promotion hidden behind a second
+  warpgroup's MMAs; where it cannot run, the heuristic's Triton kernel); an fp32 weight is split exactly
   into three bf16 terms (inside the kernels, or from 2048 tokens one GEMM on the terms the gate
   layer made at load); fp32 activations use IEEE fp32 dots. Never TF32.
 - batch-invariant: the split-K kernel with one K structure for every M (no switch of kernel, dtype
@@ -113,6 +115,17 @@ def run_config(
         if not params.get("promote_chunks"):
             params["promote_chunks"] = params["k_per_split"] // params["block_k"]
         return splitk_launch(x, weight, out, dot_mode=dot_mode, **params)
+    if cfg.kernel == "wgmma_ws":
+        from csrc_triton.router_gemm_wgmma_ws import unsupported_reason, wgmma_ws_launch
+
+        if capability is None:
+            capability = _device_info(x.device.index or 0)[2] if x.is_cuda else 90
+        reason = unsupported_reason(x, weight, capability)
+        if reason is None and out.dtype == torch.float32:
+            return wgmma_ws_launch(x, weight, out, **params)
+        return run_config(
+            _wgmma_ws_fallback(cfg, x, weight, reason, capability), x, weight, out, dot_mode, capability
+        )
     if cfg.kernel == "tiled":
         if weight.dtype == torch.float32:
             # fp32 weight tiles (and their three bf16 terms) need far more shared memory than bf16
@@ -122,7 +135,31 @@ def run_config(
             params.update(block_m=min(params["block_m"], 64), block_n=min(params["block_n"], 64), block_k=32)
             params["num_stages"] = 2
         return tiled_launch(x, weight, out, dot_mode=dot_mode, **params)
-    raise ValueError(f"unknown kernel {cfg.kernel!r}; allowed: gemv, splitk, tiled, cublas")
+    raise ValueError(f"unknown kernel {cfg.kernel!r}; allowed: gemv, splitk, tiled, wgmma_ws, cublas")
+
+
+#: Reasons already logged for running a ``wgmma_ws`` config on another kernel (once each).
+_WGMMA_WS_FALLBACKS: set[str] = set()
+
+
+def _wgmma_ws_fallback(
+    cfg: KernelConfig, x: torch.Tensor, weight: torch.Tensor, reason: str | None, capability: int
+) -> KernelConfig:
+    """The Triton config that runs where a ``wgmma_ws`` config cannot (e.g. an fp32 gate weight,
+    fp32 activations, unaligned rows, a Triton without Gluon): the heuristic's, without it."""
+    from csrc_triton.configs import heuristic_config
+
+    m, k = x.shape
+    sms = _device_info(x.device.index or 0)[1] if x.is_cuda else 132
+    fallback = heuristic_config(
+        m, k, weight.shape[0], "fp32", False, sms, capability=capability, wgmma_ws=False
+    )
+    if reason is not None and reason not in _WGMMA_WS_FALLBACKS:
+        _WGMMA_WS_FALLBACKS.add(reason)
+        logger.info(
+            "vllm-router-ext: %s cannot run (%s); running %s", cfg.describe(), reason, fallback.describe()
+        )
+    return fallback
 
 
 #: Where an fp32 gate weight's GEMM runs on its three bf16 terms (one promoted fp32-mode GEMM on
@@ -282,10 +319,23 @@ def describe_cuda_dispatch(
             f"batch-invariant triton split-K, K split {kps} (BLOCK_K {block_k}) fixed for every M, "
             f"{how}{where} ({dot}; {cfg.source})"
         )
-    label = {"gemv": "triton GEMV (fp32 FMA)", "splitk": "triton split-K", "tiled": "triton tiled"}
+    from csrc_triton import gluon_available
+    from csrc_triton.configs import heuristic_config
+
+    label = {
+        "gemv": "triton GEMV (fp32 FMA)",
+        "splitk": "triton split-K",
+        "tiled": "triton tiled",
+        "wgmma_ws": "gluon warp-specialised wgmma",
+    }
     ranges: list[list] = []  # [kernel, first M, last M]
     for m in (1 << i for i in range(15)):
         kernel = select_config(m, k, n, precision.value, False, name, sms, capability=cap).kernel
+        if kernel == "wgmma_ws" and (weight_dtype == torch.float32 or not gluon_available()):
+            # what runs instead (the kernel's own fallback): an fp32 weight is not a TMA bf16 tile
+            kernel = heuristic_config(
+                m, k, n, precision.value, False, sms, capability=cap, wgmma_ws=False
+            ).kernel
         if ranges and ranges[-1][0] == kernel:
             ranges[-1][2] = m
         else:

@@ -77,6 +77,8 @@ def _compile(fn, args, kwargs, arch: int):
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    if getattr(fn, "is_gluon", lambda: False)():  # the wgmma_ws kernel
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     source = ASTSource(fn, signature, constexprs, attrs)
     return triton.compile(source, target=target, options=options.__dict__)
 
@@ -103,6 +105,15 @@ CASES = (
     (RouterPrecision.FP32, torch.bfloat16),
     (RouterPrecision.FP32, torch.float32),
 )
+
+
+def _arg_key(arg) -> object:
+    """What of a launch argument decides its compiled specialisation (hashable)."""
+    if isinstance(arg, torch.Tensor):
+        return str(arg.dtype)
+    if hasattr(arg, "block_shape"):  # a Gluon TMA descriptor
+        return ("tensordesc", str(arg.base.dtype), tuple(arg.block_shape), repr(arg.layout))
+    return arg
 
 
 def configs_to_compile(
@@ -146,7 +157,7 @@ def compile_configs(
             with _captured_launches() as launches:
                 run_config(cfg, x, w, out, dot_mode_for(x.dtype, w.dtype), capability=arch)
             for fn, args, kwargs in launches:
-                types = tuple(str(a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+                types = tuple(_arg_key(a) for a in args)
                 key = (fn.__name__, repr(sorted(kwargs.items())), types)
                 if key not in done:
                     kernel = _compile(fn, args, kwargs, arch)

@@ -1,0 +1,244 @@
+"""Warp-specialised wgmma router GEMM for the ``fp32`` mode at prefill sizes (Hopper, sm_90).
+
+Invariant: every output element is the sum, in K order, of fp32 totals of MMA chains no longer
+than PROMOTE_CHUNKS * BLOCK_K (<= 256) along K: each chain starts from zero on the tensor cores
+and is added into an fp32 register total once its last wgmma has retired ("promotion"), as in
+the Triton kernels' fp32 mode. With a K split, each split's total is written as a partial and the
+partials are added in split order 0..S-1 (deterministic; no atomics).
+
+Why a second kernel for the same sums: in a Triton ``tl.dot`` loop every promotion drains the
+tensor cores (the add must wait for its chain), ~28 % at large M. Here (Gluon, Triton's
+lower-level dialect) one producer warp streams TMA loads of a [128, BLOCK_K] activation block
+and a [BLOCK_N, BLOCK_K] weight block into a NUM_STAGES-deep shared-memory ring, and two consumer
+warpgroups each own 64 rows of the 128 x BLOCK_N tile (sharing the weight block): while one
+drains and adds, the other's wgmmas keep the tensor cores busy, and the loads never wait on
+either. Measured on the H200 (``benchmarks/probe_pingpong.py``): 0.73-0.77x the Triton fp32
+kernel's time at 8192-16384 tokens, 1.01-1.24x cuBLAS's bf16 GEMM.
+
+Gluon kernels compile for the GPU only (no ``TRITON_INTERPRET=1``): CPU CI compiles them for
+sm_90 (``python -m vllm_router_ext.testing.aot``); the GPU tests check their numbers.
+"""
+
+import torch
+
+from csrc_triton import cdiv
+
+BLOCK_M = 128  # two consumer warpgroups x one m64 wgmma
+MAX_CHAIN = 256  # the fp32 mode's longest MMA chain along K (csrc_triton.configs.FP32_MAX_BLOCK_K * 2)
+
+try:  # Gluon with Hopper warp specialisation: Triton >= 3.6
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.language.core import _aggregate as aggregate
+
+    GLUON = hasattr(gl, "warp_specialize")
+except ImportError:  # an older Triton: the dispatch never selects this kernel
+    GLUON = False
+
+if GLUON:
+    # Triton 3.6 calls the TMA load async_copy_global_to_shared; 3.9 renamed it async_load.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _HALF = gl.constexpr(BLOCK_M // 2)  # rows per consumer warpgroup
+
+    @aggregate
+    class _Plan:
+        """Compile-time loop structure for the worker partitions (there, plain constexpr
+        arguments arrive as runtime integers; an aggregate's constexpr fields do not)."""
+
+        K: gl.constexpr
+        PROMOTE: gl.constexpr
+        N_CHUNKS: gl.constexpr
+        STAGES: gl.constexpr
+
+        @triton.constexpr_function
+        def __init__(self, K, PROMOTE, N_CHUNKS, STAGES):
+            self.K = gl.constexpr(K)
+            self.PROMOTE = gl.constexpr(PROMOTE)
+            self.N_CHUNKS = gl.constexpr(N_CHUNKS)
+            self.STAGES = gl.constexpr(STAGES)
+
+    @gluon.jit
+    def _chain(a_bufs, b_bufs, ready, empty, i0, acc, ROW0: gl.constexpr, LEN: gl.constexpr,
+              STAGES: gl.constexpr):  # fmt: skip
+        """One MMA chain from zero over chunks i0 .. i0+LEN-1 (one wgmma group in flight); each
+        ring stage is released once the wgmma that read it has retired."""
+        for j in gl.static_range(LEN):
+            i = i0 + j
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            a = a_bufs.index(s).slice(ROW0, _HALF, dim=0)
+            b = b_bufs.index(s).permute((1, 0))
+            acc = warpgroup_mma(a, b, acc, use_acc=j > 0, is_async=True)
+            if j > 0:
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((i0 + LEN - 1) % STAGES), count=1)
+        return acc
+
+    @gluon.jit
+    def _consumer(a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om, off_m, off_n,
+                 pid_s, ROW0: gl.constexpr, PROMOTE: gl.constexpr, N_CHUNKS: gl.constexpr,
+                 STAGES: gl.constexpr):  # fmt: skip
+        """Rows ROW0 .. ROW0+63 of the tile: chains of PROMOTE chunks (the last one shorter),
+        each added into the fp32 total, which is stored once."""
+        BN: gl.constexpr = b_bufs.shape[1]
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+        )
+        FULL: gl.constexpr = N_CHUNKS // PROMOTE
+        REST: gl.constexpr = N_CHUNKS - FULL * PROMOTE
+        acc = gl.zeros((_HALF, BN), gl.float32, mma)
+        total = gl.zeros((_HALF, BN), gl.float32, mma)
+        for c in range(FULL):
+            acc = _chain(a_bufs, b_bufs, ready, empty, c * PROMOTE, acc, ROW0, PROMOTE, STAGES)
+            total = total + acc
+        if REST > 0:
+            acc = _chain(a_bufs, b_bufs, ready, empty, FULL * PROMOTE, acc, ROW0, REST, STAGES)
+            total = total + acc
+        offs_m = off_m + ROW0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, mma))
+        offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+        ptrs = out_ptr + pid_s * stride_os + offs_m[:, None].to(gl.int64) * stride_om + offs_n[None, :]
+        gl.store(ptrs, total, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+    @gluon.jit
+    def _loader(x_desc, w_desc, a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om,
+               off_m, off_n, pid_s, k_begin, k_end, plan):  # fmt: skip
+        """One warp: TMA loads of every chunk of this split into the ring. A chunk past the
+        split's end is loaded from column K, wholly out of bounds: TMA fills it with zeros."""
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        STAGES: gl.constexpr = plan.STAGES
+        for i in range(plan.N_CHUNKS):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            k = k_begin + i * BK
+            k = gl.where(k < k_end, k, plan.K)
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            _tma_load(x_desc, [off_m, k], ready.index(s), a_bufs.index(s))
+            _tma_load(w_desc, [off_n, k], ready.index(s), b_bufs.index(s))
+
+    @gluon.jit
+    def _second_consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os,
+                        stride_om, off_m, off_n, pid_s, k_begin, k_end, plan):  # fmt: skip
+        _consumer(a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om, off_m, off_n,
+                 pid_s, _HALF, plan.PROMOTE, plan.N_CHUNKS, plan.STAGES)  # fmt: skip
+
+    @gluon.jit
+    def _wgmma_ws_kernel(x_desc, w_desc, out_ptr, M, N, stride_os, stride_om, K: gl.constexpr,
+                        K_PER_SPLIT: gl.constexpr, PROMOTE: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        BN: gl.constexpr = w_desc.block_type.shape[0]
+        N_CHUNKS: gl.constexpr = K_PER_SPLIT // BK
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        pid_s = gl.program_id(2)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        k_begin = pid_s * K_PER_SPLIT
+        k_end = gl.minimum(k_begin + K_PER_SPLIT, K)
+
+        a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
+        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(ready.index(st), count=1)
+            mbarrier.init(empty.index(st), count=2)  # both consumers release a stage
+
+        worker_args = (x_desc, w_desc, a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os,
+                       stride_om, off_m, off_n, pid_s, k_begin, k_end,
+                       _Plan(K, PROMOTE, N_CHUNKS, STAGES))  # fmt: skip
+        # fmt: off
+        # The default partition's constexpr arguments are written in place: gathered in a tuple
+        # variable first, they would arrive as runtime integers.
+        gl.warp_specialize(
+            [
+                (_consumer, (a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om,
+                            off_m, off_n, pid_s, 0, PROMOTE, N_CHUNKS, STAGES)),
+                (_second_consumer, worker_args),
+                (_loader, worker_args),
+            ],
+            [4, 1],
+            [168, 40],
+        )
+        # fmt: on
+
+
+def unsupported_reason(x: torch.Tensor, w: torch.Tensor, capability: int) -> str | None:
+    """Why this kernel cannot run these operands here (None: it can). It needs Hopper (sm_90:
+    wgmma, TMA), Gluon, 16-bit operands of one dtype, and TMA-compatible layouts: unit stride
+    along K, 16-byte-aligned row strides and base addresses."""
+    from csrc_triton.dot import interpreting
+
+    if interpreting():
+        return "TRITON_INTERPRET=1 (Gluon kernels have no interpreter)"
+    if capability // 10 != 9:
+        return f"compute capability {capability / 10:.1f} (needs 9.x)"
+    if not GLUON:
+        return "this Triton has no Gluon warp specialisation"
+    if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtypes {x.dtype} x {w.dtype} (needs bf16 x bf16 or fp16 x fp16)"
+    for name, t in (("x", x), ("weight", w)):
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return f"{name} layout (stride {tuple(t.stride())}, not 16-byte aligned rows)"
+    return None
+
+
+def wgmma_ws_launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    block_n: int,
+    block_k: int,
+    promote_chunks: int,
+    num_stages: int,
+    k_per_split: int = 0,
+) -> torch.Tensor:
+    """Write ``x @ w.T`` (fp32-mode sums) into the fp32 ``out`` [M, N] (unit stride along N).
+    ``k_per_split`` 0 or >= K: no split; else fp32 partials [S, M, N] added in split order."""
+    from csrc_triton.router_gemm_splitk import reduce_partials
+
+    M, K = x.shape
+    N = w.shape[0]
+    if out.dtype != torch.float32:
+        raise ValueError(f"wgmma_ws writes fp32 logits; got out dtype {out.dtype}")
+    if promote_chunks < 2 or promote_chunks * block_k > MAX_CHAIN:
+        raise ValueError(
+            f"promote_chunks={promote_chunks} with block_k={block_k}: chains must be 2..{MAX_CHAIN} "
+            "along K in at least two chunks"
+        )
+    if M == 0:
+        return out
+    kps = k_per_split if 0 < k_per_split < K else K
+    n_chunks = cdiv(kps, block_k)
+    split = cdiv(K, kps)
+    part = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=out.device)
+    gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], gl_dtype)
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl_dtype)
+    x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [BLOCK_M, block_k], x_layout)
+    w_desc = TensorDescriptor(w, [N, K], [w.stride(0), 1], [block_n, block_k], w_layout)
+    grid = (cdiv(N, block_n), cdiv(M, BLOCK_M), split)
+    _wgmma_ws_kernel[grid](
+        x_desc, w_desc, part, M, N, part.stride(0) if split > 1 else 0, part.stride(-2),
+        K, n_chunks * block_k, promote_chunks, num_stages, num_warps=4, maxnreg=168,
+    )  # fmt: skip
+    if split > 1:
+        reduce_partials(part, out)
+    return out
+
+
+def router_gemm_wgmma_ws(x: torch.Tensor, w: torch.Tensor, **config) -> torch.Tensor:
+    """Public entry: allocate the fp32 ``out`` [M, N] and run :func:`wgmma_ws_launch`."""
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32, device=x.device)
+    return wgmma_ws_launch(x, w, out, **config)
