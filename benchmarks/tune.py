@@ -185,10 +185,35 @@ def time_config(cfg: KernelConfig, xs, ws, mode: str) -> float:
 FP32_TILED_FROM = 2048
 
 
-def tune_shape(shape, mode: str, ms, old: list[dict] | None = None) -> tuple[list[dict], dict[int, float]]:
+def _fastest_triton(results: list[tuple[float, KernelConfig]]) -> tuple[float, KernelConfig] | None:
+    """The fastest Triton config of sorted timings: what runs where the ``wgmma_ws`` kernel
+    cannot (an fp32 gate weight, rows TMA cannot read); the table keeps it as ``fp32/triton``."""
+    return next(((t, c) for t, c in results if c.kernel not in ("wgmma_ws", "cublas")), None)
+
+
+def _triton_buckets(
+    entry: dict, mode: str, previous: list[dict], new: dict[int, tuple[float, KernelConfig]], ms
+) -> None:
+    """Store ``<mode>/triton`` (only for a mode whose buckets name ``wgmma_ws``): this run's fastest
+    Triton configs merged over the table's earlier ones (its ``/triton`` buckets, else the Triton
+    buckets it had before this run)."""
+    if not any(b["kernel"] == "wgmma_ws" for b in entry.get(mode, [])):
+        entry.pop(f"{mode}/triton", None)
+        return
+    old = entry.get(f"{mode}/triton") or [b for b in previous if b["kernel"] != "wgmma_ws"]
+    if old and old[-1]["max_m"] is None:
+        entry[f"{mode}/triton"] = merge_buckets(old, new, ms)
+    else:
+        entry[f"{mode}/triton"] = merge_buckets([], new, sorted(new))
+
+
+def tune_shape(
+    shape, mode: str, ms, old: list[dict] | None = None
+) -> tuple[list[dict], dict[int, float], dict[int, tuple[float, KernelConfig]]]:
     """The fastest candidate per M in ``ms``; with ``old`` (a merged table), every other M of the
-    benchmark's list keeps ``old``'s bucket."""
+    benchmark's list keeps ``old``'s bucket. Also the fastest Triton candidate per M."""
     best_by_m: dict[int, tuple[float, KernelConfig]] = {}
+    triton_by_m: dict[int, tuple[float, KernelConfig]] = {}
     for m in ms:
         xs, ws = make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m)
         cands = gemv_candidates(m) if m <= GEMV_MAX_M else []
@@ -199,6 +224,8 @@ def tune_shape(shape, mode: str, ms, old: list[dict] | None = None) -> tuple[lis
             cands += tiled_candidates(m, mode)[:2]
         if mode == "bf16-fp32out":
             cands.append(KernelConfig("cublas"))
+        if mode == "fp32":
+            cands += wgmma_ws_candidates(m, shape.k, shape.n)
         results = []
         for cfg in cands:
             if cfg.kernel != "cublas" and not _check(cfg, xs[0], ws[0], mode):
@@ -206,6 +233,8 @@ def tune_shape(shape, mode: str, ms, old: list[dict] | None = None) -> tuple[lis
             results.append((time_config(cfg, xs, ws, mode), cfg))
         results.sort(key=lambda r: r[0])
         best_by_m[m] = results[0]
+        if (fastest := _fastest_triton(results)) is not None:
+            triton_by_m[m] = fastest
         cub = next((t for t, c in results if c.kernel == "cublas"), None)
         print(
             f"  {shape.name} {mode} M={m}: best {results[0][0]:.2f} µs {results[0][1].describe()}"
@@ -213,7 +242,7 @@ def tune_shape(shape, mode: str, ms, old: list[dict] | None = None) -> tuple[lis
             flush=True,
         )
     points = sorted(set(ms) | set(M_LIST)) if old else ms
-    return merge_buckets(old or [], best_by_m, points), {m: best_by_m[m][0] for m in ms}
+    return merge_buckets(old or [], best_by_m, points), {m: best_by_m[m][0] for m in ms}, triton_by_m
 
 
 #: K structures a batch-invariant config may fix: (k_per_split, block_k, fixed_point); promotion
@@ -447,9 +476,13 @@ def merge_buckets(old: list[dict], new: dict[int, tuple[float, KernelConfig]], m
     return buckets
 
 
-def tune_targeted(shape, mode: str, old: list[dict], ms) -> list[dict]:
-    """Time the targeted candidates and the table's current config at each M; keep the fastest."""
+def tune_targeted(
+    shape, mode: str, old: list[dict], ms
+) -> tuple[list[dict], dict[int, tuple[float, KernelConfig]]]:
+    """Time the targeted candidates and the table's current config at each M; keep the fastest
+    (and return the fastest Triton config per M)."""
     new = {}
+    triton_by_m = {}
     for m in ms:
         cands = targeted_candidates(m, mode, shape.k, shape.n)
         if not cands:
@@ -467,13 +500,15 @@ def tune_targeted(shape, mode: str, old: list[dict], ms) -> list[dict]:
         ]
         results = sorted(timed, key=lambda r: r[0])
         new[m] = results[0]
+        if (fastest := _fastest_triton(results)) is not None:
+            triton_by_m[m] = fastest
         cur_t = next((t for t, c in results if current is not None and c == current), None)
         print(
             f"  {shape.name} {mode} M={m}: best {results[0][0]:.2f} µs {results[0][1].describe()}"
             + (f"  (table's current {cur_t:.2f})" if cur_t else ""),
             flush=True,
         )
-    return merge_buckets(old, new, M_LIST)
+    return merge_buckets(old, new, M_LIST), triton_by_m
 
 
 def _reload_table(path: Path) -> None:
@@ -529,11 +564,16 @@ def main(argv: list[str] | None = None) -> int:
         entry = table["shapes"].setdefault(f"{shape.k}x{shape.n}", {"model": shape.name})
         for mode in args.modes.split(","):
             if args.targeted:
-                entry[mode] = tune_targeted(shape, mode, entry.get(mode, []), ms)
+                previous = entry.get(mode, [])
+                entry[mode], triton_by_m = tune_targeted(shape, mode, previous, ms)
+                _triton_buckets(entry, mode, previous, triton_by_m, M_LIST)
                 out.write_text(json.dumps(table, indent=1))
                 continue
             if not args.bi_only:
-                entry[mode] = tune_shape(shape, mode, ms, entry.get(mode) if args.merge else None)[0]
+                previous = entry.get(mode, []) if args.merge else []
+                entry[mode], _, triton_by_m = tune_shape(shape, mode, ms, previous or None)
+                points = sorted(set(ms) | set(M_LIST)) if args.merge else ms
+                _triton_buckets(entry, mode, previous, triton_by_m, points)
                 out.write_text(json.dumps(table, indent=1))
             if args.no_bi:
                 continue

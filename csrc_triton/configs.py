@@ -269,13 +269,22 @@ def select_config(
     sm_count: int,
     cublas: bool = True,
     capability: int = 90,
+    wgmma_ws: bool | None = None,
 ) -> KernelConfig:
+    """The config for M: the device's tuned table if it has this shape and mode, else the
+    heuristic. ``wgmma_ws=False``: a Triton kernel where the ``wgmma_ws`` kernel cannot run (an
+    fp32 gate weight, rows TMA cannot read, no Gluon): the table's ``fp32/triton`` buckets (the
+    fastest Triton configs, timed beside it), else the heuristic's."""
     table_mode = "fp32" if mode == "fp32" else "bf16-fp32out"
     entry = load_table(device_name).get("shapes", {}).get(f"{k}x{n}", {})
     key = f"{table_mode}/batch_invariant" if batch_invariant else table_mode
     bucket = bucket_for(entry.get(key, []), m)
+    if wgmma_ws is False and bucket is not None and bucket["kernel"] == "wgmma_ws":
+        bucket = bucket_for(entry.get(f"{table_mode}/triton", []), m)
     # cuBLAS has no fp32-accurate equivalent (and none off-GPU): the heuristic serves those.
     if bucket is not None and not (bucket["kernel"] == "cublas" and (mode == "fp32" or not cublas)):
         params = {p: v for p, v in bucket.items() if p in PARAM_KEYS}
         return KernelConfig(bucket["kernel"], params, source=f"tuned {device_key(device_name)}")
-    return heuristic_config(m, k, n, mode, batch_invariant, sm_count, cublas=cublas, capability=capability)
+    return heuristic_config(
+        m, k, n, mode, batch_invariant, sm_count, cublas=cublas, capability=capability, wgmma_ws=wgmma_ws
+    )

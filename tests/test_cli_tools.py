@@ -156,3 +156,49 @@ def test_tuner_merges_a_partial_retune_into_the_table_buckets():
         tune.merge_buckets([], {32: (7.0, new_cfg)}, (16, 32))  # nothing to keep for M=16
     with pytest.raises(ValueError, match="sums='both-ish'"):
         tune.bi_structures("fp32", "both-ish")
+
+
+def test_tuner_keeps_the_fastest_triton_buckets_beside_wgmma_ws():
+    """Where the fp32 buckets name the Gluon ``wgmma_ws`` kernel, the table also keeps the fastest
+    Triton configs (``fp32/triton``: what an fp32 gate weight or a GPU without Gluon runs), and the
+    dispatch's fallback looks them up."""
+    import importlib.util
+
+    import csrc_triton.configs as c
+    from csrc_triton.configs import KernelConfig, bucket_for, select_config, wgmma_ws_config
+
+    spec = importlib.util.spec_from_file_location("tune", REPO / "benchmarks/tune.py")
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    ws = wgmma_ws_config(128, 1792)
+    split = KernelConfig("splitk", {"block_m": 64, "block_k": 128})
+    tiled = KernelConfig("tiled", {"block_m": 128})
+    assert tune._fastest_triton([(5.0, ws), (6.0, KernelConfig("cublas")), (7.0, split)]) == (7.0, split)
+    previous = [
+        {"max_m": 512, "kernel": "splitk", "block_m": 16},
+        {"max_m": None, "kernel": "tiled", "block_m": 128},
+    ]
+    entry = {
+        "fp32": [{"max_m": 512, "kernel": "splitk", "block_m": 16}, {"max_m": None, "kernel": "wgmma_ws"}]
+    }
+    tune._triton_buckets(entry, "fp32", previous, {1024: (9.0, split), 4096: (20.0, tiled)}, tune.M_LIST)
+    triton = entry["fp32/triton"]
+    assert bucket_for(triton, 1024)["block_m"] == 64 and bucket_for(triton, 16384)["kernel"] == "tiled"
+    assert bucket_for(triton, 256)["block_m"] == 16  # kept from before the run
+    entry = {"fp32": previous, "fp32/triton": triton}
+    tune._triton_buckets(entry, "fp32", previous, {}, tune.M_LIST)
+    assert "fp32/triton" not in entry  # no wgmma_ws bucket: nothing to fall back from
+
+    table = {"shapes": {"7168x256": {"fp32": [{"max_m": None, "kernel": "wgmma_ws", **ws.params}],
+                                     "fp32/triton": triton}}}  # fmt: skip
+    orig = c.load_table
+    c.load_table = lambda name: table
+    try:
+        assert select_config(2048, 7168, 256, "fp32", False, "GPU", 132).kernel == "wgmma_ws"
+        fallback = select_config(1024, 7168, 256, "fp32", False, "GPU", 132, wgmma_ws=False)
+        assert fallback.kernel == "splitk" and fallback.params["block_m"] == 64
+        table["shapes"]["7168x256"].pop("fp32/triton")  # no Triton buckets: the heuristic's
+        fallback = select_config(2048, 7168, 256, "fp32", False, "GPU", 132, wgmma_ws=False)
+        assert fallback.source == "heuristic" and fallback.kernel == "splitk"
+    finally:
+        c.load_table = orig

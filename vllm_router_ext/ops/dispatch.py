@@ -145,14 +145,15 @@ _WGMMA_WS_FALLBACKS: set[str] = set()
 def _wgmma_ws_fallback(
     cfg: KernelConfig, x: torch.Tensor, weight: torch.Tensor, reason: str | None, capability: int
 ) -> KernelConfig:
-    """The Triton config that runs where a ``wgmma_ws`` config cannot (e.g. an fp32 gate weight,
-    fp32 activations, unaligned rows, a Triton without Gluon): the heuristic's, without it."""
-    from csrc_triton.configs import heuristic_config
+    """The Triton config that runs where a ``wgmma_ws`` config cannot (an fp32 gate weight, fp32
+    activations, rows TMA cannot read, a Triton without Gluon): the tuned table's fastest Triton
+    config for this M (``fp32/triton``), else the heuristic's."""
+    from csrc_triton.configs import select_config
 
     m, k = x.shape
-    sms = _device_info(x.device.index or 0)[1] if x.is_cuda else 132
-    fallback = heuristic_config(
-        m, k, weight.shape[0], "fp32", False, sms, capability=capability, wgmma_ws=False
+    name, sms = _device_info(x.device.index or 0)[:2] if x.is_cuda else ("cpu-interpreter", 132)
+    fallback = select_config(
+        m, k, weight.shape[0], "fp32", False, name, sms, capability=capability, wgmma_ws=False
     )
     if reason is not None and reason not in _WGMMA_WS_FALLBACKS:
         _WGMMA_WS_FALLBACKS.add(reason)
@@ -320,7 +321,6 @@ def describe_cuda_dispatch(
             f"{how}{where} ({dot}; {cfg.source})"
         )
     from csrc_triton import gluon_available
-    from csrc_triton.configs import heuristic_config
 
     label = {
         "gemv": "triton GEMV (fp32 FMA)",
@@ -333,8 +333,8 @@ def describe_cuda_dispatch(
         kernel = select_config(m, k, n, precision.value, False, name, sms, capability=cap).kernel
         if kernel == "wgmma_ws" and (weight_dtype == torch.float32 or not gluon_available()):
             # what runs instead (the kernel's own fallback): an fp32 weight is not a TMA bf16 tile
-            kernel = heuristic_config(
-                m, k, n, precision.value, False, sms, capability=cap, wgmma_ws=False
+            kernel = select_config(
+                m, k, n, precision.value, False, name, sms, capability=cap, wgmma_ws=False
             ).kernel
         if ranges and ranges[-1][0] == kernel:
             ranges[-1][2] = m
