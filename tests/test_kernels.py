@@ -249,7 +249,7 @@ def test_fp32_weight_large_m_runs_on_its_terms(gen, monkeypatch, m, n):
     otherwise on the weight itself. Both fp32-accurate. (Thresholds scaled down here.)"""
     import vllm_router_ext.ops.dispatch as d
 
-    assert (d.FP32_WEIGHT_TERMS_FROM_M, d.FP32_WEIGHT_TERMS_MIN_N) == (2048, 128)  # H200-measured
+    assert (d.FP32_WEIGHT_TERMS_FROM_M, d.FP32_WEIGHT_TERMS_MIN_N) == (1024, 128)  # H200-measured
     monkeypatch.setattr(d, "FP32_WEIGHT_TERMS_FROM_M", 65)
     monkeypatch.setattr(d, "FP32_WEIGHT_TERMS_MIN_N", 32)
     calls = []
@@ -522,7 +522,7 @@ def test_startup_description_of_the_cuda_dispatch(monkeypatch):
     text = d.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.float32, 7168, 256)
     assert "fp32 weight split into 3 bf16 MMAs" in text
     assert text.endswith(
-        "; from M=2048: one GEMM on the weight's three bf16 terms (split once at load), "
+        "; from M=1024: one GEMM on the weight's three bf16 terms (split once at load), "
         "hi + mid + lo added per logit"
     )
     text = d.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.float32, 2048, 64)
