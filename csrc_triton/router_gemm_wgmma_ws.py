@@ -9,7 +9,7 @@ partials are added in split order 0..S-1 (deterministic; no atomics).
 Why a second kernel for the same sums: in a Triton ``tl.dot`` loop every promotion drains the
 tensor cores (the add must wait for its chain), ~28 % at large M. Here (Gluon, Triton's
 lower-level dialect) one producer warp streams TMA loads of a [128, BLOCK_K] activation block
-and a [BLOCK_N, BLOCK_K] weight block into a NUM_STAGES-deep shared-memory ring, and two consumer
+and a [BLOCK_N, BLOCK_K] weight block into a num_stages-deep shared-memory ring, and two consumer
 warpgroups each own 64 rows of the 128 x BLOCK_N tile (sharing the weight block): while one
 drains and adds, the other's wgmmas keep the tensor cores busy, and the loads never wait on
 either. Measured on the H200 (``benchmarks/probe_pingpong.py``): 0.73-0.77x the Triton fp32
@@ -67,7 +67,7 @@ if GLUON:
 
     @gluon.jit
     def _chain(a_bufs, b_bufs, ready, empty, i0, acc, ROW0: gl.constexpr, LEN: gl.constexpr,
-              STAGES: gl.constexpr):  # fmt: skip
+               STAGES: gl.constexpr):  # fmt: skip
         """One MMA chain from zero over chunks i0 .. i0+LEN-1 (one wgmma group in flight); each
         ring stage is released once the wgmma that read it has retired."""
         for j in gl.static_range(LEN):
@@ -86,8 +86,8 @@ if GLUON:
 
     @gluon.jit
     def _consumer(a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om, off_m, off_n,
-                 pid_s, ROW0: gl.constexpr, PROMOTE: gl.constexpr, N_CHUNKS: gl.constexpr,
-                 STAGES: gl.constexpr):  # fmt: skip
+                  pid_s, ROW0: gl.constexpr, PROMOTE: gl.constexpr, N_CHUNKS: gl.constexpr,
+                  STAGES: gl.constexpr):  # fmt: skip
         """Rows ROW0 .. ROW0+63 of the tile: chains of PROMOTE chunks (the last one shorter),
         each added into the fp32 total, which is stored once."""
         BN: gl.constexpr = b_bufs.shape[1]
@@ -111,7 +111,7 @@ if GLUON:
 
     @gluon.jit
     def _loader(x_desc, w_desc, a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om,
-               off_m, off_n, pid_s, k_begin, k_end, plan):  # fmt: skip
+                off_m, off_n, pid_s, k_begin, k_end, plan):  # fmt: skip
         """One warp: TMA loads of every chunk of this split into the ring. A chunk past the
         split's end is loaded from column K, wholly out of bounds: TMA fills it with zeros."""
         BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -127,13 +127,13 @@ if GLUON:
 
     @gluon.jit
     def _second_consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os,
-                        stride_om, off_m, off_n, pid_s, k_begin, k_end, plan):  # fmt: skip
+                         stride_om, off_m, off_n, pid_s, k_begin, k_end, plan):  # fmt: skip
         _consumer(a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om, off_m, off_n,
-                 pid_s, _HALF, plan.PROMOTE, plan.N_CHUNKS, plan.STAGES)  # fmt: skip
+                  pid_s, _HALF, plan.PROMOTE, plan.N_CHUNKS, plan.STAGES)  # fmt: skip
 
     @gluon.jit
     def _wgmma_ws_kernel(x_desc, w_desc, out_ptr, M, N, stride_os, stride_om, K: gl.constexpr,
-                        K_PER_SPLIT: gl.constexpr, PROMOTE: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+                         K_PER_SPLIT: gl.constexpr, PROMOTE: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]
