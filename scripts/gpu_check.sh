@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: any of the steps below, in order. Runs without vLLM; outputs under $OUT.
-#   bash scripts/gpu_check.sh [tests] [tests-gpu] [ncu] [tune] [tune-rest] [tune-targeted] [tune-bi] [tests-k] [probe] [bench]
+#   bash scripts/gpu_check.sh [tests] [tests-gpu] [ncu] [tune] [tune-rest] [tune-targeted] [tune-fp32] [tune-bi] [tests-k] [probe] [bench]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -30,6 +30,10 @@ for step in "$@"; do
           timeout "${TUNE_TIMEOUT:-220}" python3 benchmarks/tune.py --merge "$TABLE" --out "$OUT/nvidia_h200.json" --targeted \
              --m 1,2,4,8,16,128,256,512,1024,2048,4096,8192 2>&1 | tee "$OUT/tune.log" | grep -E "M=(1|16|1024):|done|Error|error"
           cp "$OUT/nvidia_h200.json" "$TABLE" ;;
+    tune-fp32) # the fp32 mode from 512 tokens, with the Hopper wgmma_ws kernel (session 8's retune)
+          timeout "${TUNE_TIMEOUT:-370}" python3 benchmarks/tune.py --merge "$TABLE" --out "$OUT/nvidia_h200.json" --targeted \
+             --modes fp32 --m 512,1024,2048,4096,8192,16384 2>&1 | tee "$OUT/tune.log" | grep -E "M=|done|Error|error"
+          cp "$OUT/nvidia_h200.json" "$TABLE" ;;
     tune-bi) # batch-invariant buckets only (TUNE_ARGS: --shapes, --m), merged into the committed table
           timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune.py --merge "$TABLE" --out "$OUT/nvidia_h200.json" --bi-only \
              ${TUNE_ARGS:-} 2>&1 | tee -a "$OUT/tune.log" | grep -E "batch-invariant|differs|done|Error|error"
@@ -39,6 +43,6 @@ for step in "$@"; do
     tests-k) timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k "${TESTS_K}" 2>&1 \
              | tee "$OUT/pytest-k.log" | grep -vE "^DEBUG|^\s*$" | tail -25 ;;
     bench) timeout "${BENCH_TIMEOUT:-600}" python3 -m vllm_router_ext.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -vE "^\s+[A-Za-z0-9-]+ M=" | tail -150 ;;
-    *) echo "unknown step $step (tests, tests-gpu, tests-k, ncu, tune, tune-rest, tune-targeted, tune-bi, probe, bench)"; exit 2 ;;
+    *) echo "unknown step $step (tests, tests-gpu, tests-k, ncu, tune, tune-rest, tune-targeted, tune-fp32, tune-bi, probe, bench)"; exit 2 ;;
   esac
 done
