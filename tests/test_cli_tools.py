@@ -200,5 +200,14 @@ def test_tuner_keeps_the_fastest_triton_buckets_beside_wgmma_ws():
         table["shapes"]["7168x256"].pop("fp32/triton")  # no Triton buckets: the heuristic's
         fallback = select_config(2048, 7168, 256, "fp32", False, "GPU", 132, wgmma_ws=False)
         assert fallback.source == "heuristic" and fallback.kernel == "splitk"
+        # a hand-edited fp32/triton naming wgmma_ws again: the dispatch's fallback does not loop
+        import torch
+
+        import vllm_router_ext.ops.dispatch as d
+
+        table["shapes"]["7168x256"]["fp32/triton"] = table["shapes"]["7168x256"]["fp32"]
+        x = torch.zeros(2048, 7168, dtype=torch.bfloat16)
+        w = torch.zeros(256, 7168, dtype=torch.bfloat16)
+        assert d._wgmma_ws_fallback(ws, x, w, "test", 90).kernel == "splitk"
     finally:
         c.load_table = orig

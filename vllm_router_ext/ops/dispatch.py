@@ -4,9 +4,9 @@
   where the tuned table measured it faster on this GPU ("never slower than cuBLAS").
 - ``fp32``: the same kernels with promoted fp32 accumulation (from ~1024 tokens on Hopper the
   warp-specialised wgmma kernel, ``wgmma_ws``: same sums, the promotion hidden behind a second
-  warpgroup's MMAs; where it cannot run, the heuristic's Triton kernel); an fp32 weight is split exactly
-  into three bf16 terms (inside the kernels, or from 1024 tokens one GEMM on the terms the gate
-  layer made at load); fp32 activations use IEEE fp32 dots. Never TF32.
+  warpgroup's MMAs; where it cannot run, the table's fastest Triton config for that M); an fp32
+  weight is split exactly into three bf16 terms (inside the kernels, or from 1024 tokens one GEMM
+  on the terms the gate layer made at load); fp32 activations use IEEE fp32 dots. Never TF32.
 - batch-invariant: the split-K kernel with one K structure for every M (no switch of kernel, dtype
   or K split by M); only tiles and where the split sum happens (a ticket at small M, in registers
   of one program at large M) vary, among configs verified bitwise equal. A tuned table may instead
@@ -148,13 +148,17 @@ def _wgmma_ws_fallback(
     """The Triton config that runs where a ``wgmma_ws`` config cannot (an fp32 gate weight, fp32
     activations, rows TMA cannot read, a Triton without Gluon): the tuned table's fastest Triton
     config for this M (``fp32/triton``), else the heuristic's."""
-    from csrc_triton.configs import select_config
+    from csrc_triton.configs import heuristic_config, select_config
 
     m, k = x.shape
     name, sms = _device_info(x.device.index or 0)[:2] if x.is_cuda else ("cpu-interpreter", 132)
     fallback = select_config(
         m, k, weight.shape[0], "fp32", False, name, sms, capability=capability, wgmma_ws=False
     )
+    if fallback.kernel == "wgmma_ws":  # a hand-edited table's fp32/triton: never loop back here
+        fallback = heuristic_config(
+            m, k, weight.shape[0], "fp32", False, sms, capability=capability, wgmma_ws=False
+        )
     if reason is not None and reason not in _WGMMA_WS_FALLBACKS:
         _WGMMA_WS_FALLBACKS.add(reason)
         logger.info(
