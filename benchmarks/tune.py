@@ -34,6 +34,8 @@ from csrc_triton.configs import (  # noqa: E402
     pipelined_splitk_config,
     splitk_config,
     wgmma_ws_config,
+    wgmma_ws_k_per_split,
+    wgmma_ws_tiles,
 )
 from vllm_router_ext.benchmarking import (  # noqa: E402
     M_LIST,
@@ -419,9 +421,9 @@ def wgmma_ws_candidates(m: int, k: int, n: int) -> list[KernelConfig]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
     for block_n in (128, 64) if n % 128 else (128,):
-        tiles = -(-m // 128) * -(-n // block_n)
+        tiles = wgmma_ws_tiles(m, n, block_n)
         for splits in WGMMA_WS_SPLITS:
-            per_split = (-(-k // splits) + 255) // 256 * 256
+            per_split = wgmma_ws_k_per_split(k, splits)
             if tiles * splits <= 2 * sms and per_split < k or splits == 1:
                 out.append(wgmma_ws_config(block_n, 0 if splits == 1 else per_split))
     return list(dict.fromkeys(out))

@@ -168,15 +168,21 @@ def wgmma_ws_config(block_n: int, k_per_split: int, block_k: int = 64, num_stage
     )
 
 
+def wgmma_ws_tiles(m: int, n: int, block_n: int) -> int:
+    """Output tiles (programs per K split) of a ``wgmma_ws`` launch."""
+    return -(-m // WGMMA_WS_BLOCK_M) * -(-n // block_n)
+
+
+def wgmma_ws_k_per_split(k: int, splits: int) -> int:
+    """K per split for ``splits`` parts of K, rounded up to a multiple of 256 (whole chains)."""
+    return (-(-k // splits) + 255) // 256 * 256
+
+
 def wgmma_ws_split(m: int, k: int, n: int, block_n: int, sm_count: int) -> int:
     """K per split for the ``wgmma_ws`` kernel: enough splits (<= 8) for its 128 x block_n tiles to
     fill the SMs once (one program per SM), in multiples of 256; 0 = no split."""
-    tiles = -(-m // WGMMA_WS_BLOCK_M) * -(-n // block_n)
-    splits = max(1, min(WGMMA_WS_MAX_SPLITS, sm_count // tiles, k // 512))
-    if splits == 1:
-        return 0
-    per_split = -(-k // splits)
-    return (per_split + 255) // 256 * 256
+    splits = max(1, min(WGMMA_WS_MAX_SPLITS, sm_count // wgmma_ws_tiles(m, n, block_n), k // 512))
+    return 0 if splits == 1 else wgmma_ws_k_per_split(k, splits)
 
 
 def heuristic_config(

@@ -19,12 +19,15 @@ Gluon kernels compile for the GPU only (no ``TRITON_INTERPRET=1``): CPU CI compi
 sm_90 (``python -m vllm_router_ext.testing.aot``); the GPU tests check their numbers.
 """
 
+import functools
+
 import torch
 
 from csrc_triton import cdiv
+from csrc_triton.configs import FP32_MAX_BLOCK_K
+from csrc_triton.configs import WGMMA_WS_BLOCK_M as BLOCK_M  # two consumer warpgroups x one m64 wgmma
 
-BLOCK_M = 128  # two consumer warpgroups x one m64 wgmma
-MAX_CHAIN = 256  # the fp32 mode's longest MMA chain along K (csrc_triton.configs.FP32_MAX_BLOCK_K * 2)
+MAX_CHAIN = 2 * FP32_MAX_BLOCK_K  # the fp32 mode's longest MMA chain along K
 
 try:  # Gluon with Hopper warp specialisation: Triton >= 3.6
     import triton
@@ -193,6 +196,13 @@ def unsupported_reason(x: torch.Tensor, w: torch.Tensor, capability: int) -> str
     return None
 
 
+@functools.cache  # per launch otherwise: host time on every eager call
+def _smem_layout(rows: int, block_k: int, dtype: torch.dtype):
+    """The swizzled shared-memory layout TMA and wgmma use for a [rows, block_k] 16-bit block."""
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([rows, block_k], gl_dtype)
+
+
 def wgmma_ws_launch(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -223,9 +233,8 @@ def wgmma_ws_launch(
     n_chunks = cdiv(kps, block_k)
     split = cdiv(K, kps)
     part = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=out.device)
-    gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], gl_dtype)
-    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl_dtype)
+    x_layout = _smem_layout(BLOCK_M, block_k, x.dtype)
+    w_layout = _smem_layout(block_n, block_k, w.dtype)
     x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [BLOCK_M, block_k], x_layout)
     w_desc = TensorDescriptor(w, [N, K], [w.stride(0), 1], [block_n, block_k], w_layout)
     grid = (cdiv(N, block_n), cdiv(M, BLOCK_M), split)
