@@ -420,12 +420,15 @@ def wgmma_ws_candidates(m: int, k: int, n: int) -> list[KernelConfig]:
         return []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
-    for block_n in (128, 64) if n % 128 else (128,):
-        tiles = wgmma_ws_tiles(m, n, block_n)
+    widths = [(128, 0)] + ([(64, 0)] if n % 128 else [])
+    # tiles of 128 + a tail where that width divides N (160 = 128 + 32; 384 = 2 x (128 + 64))
+    widths += [(128, t) for t in (32, 64) if n > 128 and n % (128 + t) == 0]
+    for block_n, tail in widths:
+        tiles = wgmma_ws_tiles(m, n, block_n, tail)
         for splits in WGMMA_WS_SPLITS:
             per_split = wgmma_ws_k_per_split(k, splits)
             if tiles * splits <= 2 * sms and per_split < k or splits == 1:
-                out.append(wgmma_ws_config(block_n, 0 if splits == 1 else per_split))
+                out.append(wgmma_ws_config(block_n, 0 if splits == 1 else per_split, block_n_tail=tail))
     return list(dict.fromkeys(out))
 
 

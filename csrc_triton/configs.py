@@ -24,6 +24,7 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 PARAM_KEYS = (
     "block_m",
     "block_n",
+    "block_n_tail",
     "block_k",
     "k_per_split",
     "promote_chunks",
@@ -48,7 +49,7 @@ class KernelConfig:
             return "cuBLAS"
         keys = ("block_m", "block_n", "block_k", "k_per_split", "promote_chunks", "num_warps", "num_stages")
         if self.kernel == "wgmma_ws":  # fixed: 128-row tiles, two consumer warpgroups, one loader warp
-            keys = ("block_n", "block_k", "k_per_split", "promote_chunks", "num_stages")
+            keys = ("block_n", "block_n_tail", "block_k", "k_per_split", "promote_chunks", "num_stages")
         inner = ",".join(f"{k}={self.params[k]}" for k in keys if k in self.params)
         if self.params.get("splits_in_program"):
             inner += ",splits_in_program"
@@ -154,23 +155,47 @@ WGMMA_WS_BLOCK_M = 128
 WGMMA_WS_MAX_SPLITS = 8
 
 
-def wgmma_ws_config(block_n: int, k_per_split: int, block_k: int = 64, num_stages: int = 6) -> KernelConfig:
-    """A ``wgmma_ws`` config: fp32-mode chains of 256 along K (4 chunks of 64, 2 of 128)."""
-    return KernelConfig(
-        "wgmma_ws",
-        dict(
-            block_n=block_n,
-            block_k=block_k,
-            k_per_split=k_per_split,
-            promote_chunks=2 * FP32_MAX_BLOCK_K // block_k,
-            num_stages=num_stages,
-        ),
+#: Shared memory one program may use on Hopper (227 KB), less what the kernel keeps beside its ring.
+WGMMA_WS_SMEM_BYTES = 227 * 1024 - 1024
+WGMMA_WS_MAX_STAGES = 6
+
+
+def wgmma_ws_stages(block_n: int, block_k: int = 64, block_n_tail: int = 0) -> int:
+    """TMA ring depth: as many stages (<= 6, the probe's best) of the [128 + block_n + tail,
+    block_k] 16-bit blocks as fit in shared memory (6 at 128 columns, 6 at 128 + 32, 5 at 128 + 64)."""
+    stage_bytes = (WGMMA_WS_BLOCK_M + block_n + block_n_tail) * block_k * 2
+    return min(WGMMA_WS_MAX_STAGES, WGMMA_WS_SMEM_BYTES // stage_bytes)
+
+
+def wgmma_ws_config(
+    block_n: int, k_per_split: int, block_k: int = 64, num_stages: int | None = None, block_n_tail: int = 0
+) -> KernelConfig:
+    """A ``wgmma_ws`` config: fp32-mode chains of 256 along K (4 chunks of 64, 2 of 128). Tiles are
+    128 rows by block_n + block_n_tail columns (the tail on a second accumulator; 0 = none)."""
+    params = dict(
+        block_n=block_n,
+        block_k=block_k,
+        k_per_split=k_per_split,
+        promote_chunks=2 * FP32_MAX_BLOCK_K // block_k,
+        num_stages=num_stages or wgmma_ws_stages(block_n, block_k, block_n_tail),
     )
+    if block_n_tail:  # absent otherwise: the tables written before the tail existed stay valid
+        params["block_n_tail"] = block_n_tail
+    return KernelConfig("wgmma_ws", params)
 
 
-def wgmma_ws_tiles(m: int, n: int, block_n: int) -> int:
+def wgmma_ws_tail(n: int, block_n: int = 128) -> int:
+    """The tail (0, 16, 32 or 64 columns) whose tiles of block_n + tail columns pad N least
+    (ties: the narrower). DeepSeek-V2's 160 experts: one 160-wide tile (128 + 32) instead of two
+    128-wide ones of which 96 columns are padding; 256 or 384 experts: no tail."""
+    if n <= block_n:
+        return 0
+    return min((0, 16, 32, 64), key=lambda t: (-(-n // (block_n + t)) * (block_n + t), t))
+
+
+def wgmma_ws_tiles(m: int, n: int, block_n: int, block_n_tail: int = 0) -> int:
     """Output tiles (programs per K split) of a ``wgmma_ws`` launch."""
-    return -(-m // WGMMA_WS_BLOCK_M) * -(-n // block_n)
+    return -(-m // WGMMA_WS_BLOCK_M) * -(-n // (block_n + block_n_tail))
 
 
 def wgmma_ws_k_per_split(k: int, splits: int) -> int:
@@ -178,10 +203,11 @@ def wgmma_ws_k_per_split(k: int, splits: int) -> int:
     return (-(-k // splits) + 255) // 256 * 256
 
 
-def wgmma_ws_split(m: int, k: int, n: int, block_n: int, sm_count: int) -> int:
+def wgmma_ws_split(m: int, k: int, n: int, block_n: int, sm_count: int, block_n_tail: int = 0) -> int:
     """K per split for the ``wgmma_ws`` kernel: enough splits (<= 8) for its 128 x block_n tiles to
     fill the SMs once (one program per SM), in multiples of 256; 0 = no split."""
-    splits = max(1, min(WGMMA_WS_MAX_SPLITS, sm_count // wgmma_ws_tiles(m, n, block_n), k // 512))
+    tiles = wgmma_ws_tiles(m, n, block_n, block_n_tail)
+    splits = max(1, min(WGMMA_WS_MAX_SPLITS, sm_count // tiles, k // 512))
     return 0 if splits == 1 else wgmma_ws_k_per_split(k, splits)
 
 
@@ -219,7 +245,9 @@ def heuristic_config(
             wgmma_ws = gluon_available()
         if wgmma_ws:
             block_n = 128 if n > 64 else 64
-            return wgmma_ws_config(block_n, wgmma_ws_split(m, k, n, block_n, sm_count))
+            tail = wgmma_ws_tail(n, block_n)
+            split = wgmma_ws_split(m, k, n, block_n, sm_count, tail)
+            return wgmma_ws_config(block_n, split, block_n_tail=tail)
     if not batch_invariant and m <= 4:
         block_m = min(2, 1 << (m - 1).bit_length())
         # 8 warps: what the H200 table picks at 1-4 tokens (or more); with 4 warps and two tokens

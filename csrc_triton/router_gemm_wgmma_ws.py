@@ -60,37 +60,55 @@ if GLUON:
         PROMOTE: gl.constexpr
         N_CHUNKS: gl.constexpr
         STAGES: gl.constexpr
+        TAIL: gl.constexpr
 
         @triton.constexpr_function
-        def __init__(self, K, PROMOTE, N_CHUNKS, STAGES):
+        def __init__(self, K, PROMOTE, N_CHUNKS, STAGES, TAIL):
             self.K = gl.constexpr(K)
             self.PROMOTE = gl.constexpr(PROMOTE)
             self.N_CHUNKS = gl.constexpr(N_CHUNKS)
             self.STAGES = gl.constexpr(STAGES)
+            self.TAIL = gl.constexpr(TAIL)
 
     @gluon.jit
-    def _chain(a_bufs, b_bufs, ready, empty, i0, acc, ROW0: gl.constexpr, LEN: gl.constexpr,
-               STAGES: gl.constexpr):  # fmt: skip
-        """One MMA chain from zero over chunks i0 .. i0+LEN-1 (one wgmma group in flight); each
-        ring stage is released once the wgmma that read it has retired."""
+    def _chain(a_bufs, b_bufs, t_bufs, ready, empty, i0, acc, acc_t, ROW0: gl.constexpr,
+               LEN: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr):  # fmt: skip
+        """One MMA chain from zero over chunks i0 .. i0+LEN-1 (one chunk's wgmmas in flight; with
+        a tail, two per chunk: the 128 columns and the TAIL ones); each ring stage is released once
+        the wgmmas that read it have retired. ``acc_t`` is unused without a tail."""
         for j in gl.static_range(LEN):
             i = i0 + j
             s = i % STAGES
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             a = a_bufs.index(s).slice(ROW0, _HALF, dim=0)
-            b = b_bufs.index(s).permute((1, 0))
-            acc = warpgroup_mma(a, b, acc, use_acc=j > 0, is_async=True)
+            acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc, use_acc=j > 0, is_async=True)
+            if TAIL > 0:
+                acc_t = warpgroup_mma(a, t_bufs.index(s).permute((1, 0)), acc_t, use_acc=j > 0, is_async=True)
             if j > 0:
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                if TAIL > 0:
+                    acc, acc_t = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_t))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if TAIL > 0:
+            acc, acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_t))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc_t = acc
         mbarrier.arrive(empty.index((i0 + LEN - 1) % STAGES), count=1)
-        return acc
+        return acc, acc_t
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om, off_m, off_n,
-                  pid_s, ROW0: gl.constexpr, PROMOTE: gl.constexpr, N_CHUNKS: gl.constexpr,
-                  STAGES: gl.constexpr):  # fmt: skip
+    def _store(out_ptr, total, M, N, stride_os, stride_om, off_m, off_n, pid_s, layout: gl.constexpr):
+        offs_m = off_m + gl.arange(0, total.shape[0], layout=gl.SliceLayout(1, layout))
+        offs_n = off_n + gl.arange(0, total.shape[1], layout=gl.SliceLayout(0, layout))
+        ptrs = out_ptr + pid_s * stride_os + offs_m[:, None].to(gl.int64) * stride_om + offs_n[None, :]
+        gl.store(ptrs, total, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+    @gluon.jit
+    def _consumer(a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om, off_m,
+                  off_n, pid_s, ROW0: gl.constexpr, PROMOTE: gl.constexpr, N_CHUNKS: gl.constexpr,
+                  STAGES: gl.constexpr, TAIL: gl.constexpr):  # fmt: skip
         """Rows ROW0 .. ROW0+63 of the tile: chains of PROMOTE chunks (the last one shorter),
         each added into the fp32 total, which is stored once."""
         BN: gl.constexpr = b_bufs.shape[1]
@@ -101,20 +119,34 @@ if GLUON:
         REST: gl.constexpr = N_CHUNKS - FULL * PROMOTE
         acc = gl.zeros((_HALF, BN), gl.float32, mma)
         total = gl.zeros((_HALF, BN), gl.float32, mma)
+        if TAIL > 0:  # the tile's last TAIL columns: a second, narrower accumulator pair
+            mma_t: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TAIL, 16]
+            )
+            acc_t = gl.zeros((_HALF, TAIL), gl.float32, mma_t)
+            total_t = gl.zeros((_HALF, TAIL), gl.float32, mma_t)
+        else:
+            acc_t = acc
+            total_t = total
         for c in range(FULL):
-            acc = _chain(a_bufs, b_bufs, ready, empty, c * PROMOTE, acc, ROW0, PROMOTE, STAGES)
+            acc, acc_t = _chain(a_bufs, b_bufs, t_bufs, ready, empty, c * PROMOTE, acc, acc_t, ROW0,
+                                PROMOTE, STAGES, TAIL)  # fmt: skip
             total = total + acc
+            if TAIL > 0:
+                total_t = total_t + acc_t
         if REST > 0:
-            acc = _chain(a_bufs, b_bufs, ready, empty, FULL * PROMOTE, acc, ROW0, REST, STAGES)
+            acc, acc_t = _chain(a_bufs, b_bufs, t_bufs, ready, empty, FULL * PROMOTE, acc, acc_t,
+                                ROW0, REST, STAGES, TAIL)  # fmt: skip
             total = total + acc
-        offs_m = off_m + ROW0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, mma))
-        offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
-        ptrs = out_ptr + pid_s * stride_os + offs_m[:, None].to(gl.int64) * stride_om + offs_n[None, :]
-        gl.store(ptrs, total, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+            if TAIL > 0:
+                total_t = total_t + acc_t
+        _store(out_ptr, total, M, N, stride_os, stride_om, off_m + ROW0, off_n, pid_s, mma)
+        if TAIL > 0:
+            _store(out_ptr, total_t, M, N, stride_os, stride_om, off_m + ROW0, off_n + BN, pid_s, mma_t)
 
     @gluon.jit
-    def _loader(x_desc, w_desc, a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om,
-                off_m, off_n, pid_s, k_begin, k_end, plan):  # fmt: skip
+    def _loader(x_desc, w_desc, t_desc, a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N,
+                stride_os, stride_om, off_m, off_n, pid_s, k_begin, k_end, plan):  # fmt: skip
         """One warp: TMA loads of every chunk of this split into the ring. A chunk past the
         split's end is loaded from column K, wholly out of bounds: TMA fills it with zeros."""
         BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -124,19 +156,28 @@ if GLUON:
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             k = k_begin + i * BK
             k = gl.where(k < k_end, k, plan.K)
-            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            if plan.TAIL > 0:
+                mbarrier.expect(
+                    ready.index(s),
+                    x_desc.block_type.nbytes + w_desc.block_type.nbytes + t_desc.block_type.nbytes,
+                )
+            else:
+                mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
             _tma_load(x_desc, [off_m, k], ready.index(s), a_bufs.index(s))
             _tma_load(w_desc, [off_n, k], ready.index(s), b_bufs.index(s))
+            if plan.TAIL > 0:
+                _tma_load(t_desc, [off_n + w_desc.block_type.shape[0], k], ready.index(s), t_bufs.index(s))
 
     @gluon.jit
-    def _second_consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os,
-                         stride_om, off_m, off_n, pid_s, k_begin, k_end, plan):  # fmt: skip
-        _consumer(a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om, off_m, off_n,
-                  pid_s, _HALF, plan.PROMOTE, plan.N_CHUNKS, plan.STAGES)  # fmt: skip
+    def _second_consumer(x_desc, w_desc, t_desc, a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M,
+                         N, stride_os, stride_om, off_m, off_n, pid_s, k_begin, k_end, plan):  # fmt: skip
+        _consumer(a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om, off_m,
+                  off_n, pid_s, _HALF, plan.PROMOTE, plan.N_CHUNKS, plan.STAGES, plan.TAIL)  # fmt: skip
 
     @gluon.jit
-    def _wgmma_ws_kernel(x_desc, w_desc, out_ptr, M, N, stride_os, stride_om, K: gl.constexpr,
-                         K_PER_SPLIT: gl.constexpr, PROMOTE: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    def _wgmma_ws_kernel(x_desc, w_desc, t_desc, out_ptr, M, N, stride_os, stride_om, K: gl.constexpr,
+                         K_PER_SPLIT: gl.constexpr, PROMOTE: gl.constexpr, STAGES: gl.constexpr,
+                         TAIL: gl.constexpr, REGS: gl.constexpr):  # fmt: skip
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -145,33 +186,37 @@ if GLUON:
         pid_m = gl.program_id(1)
         pid_s = gl.program_id(2)
         off_m = pid_m * BM
-        off_n = pid_n * BN
+        off_n = pid_n * (BN + TAIL)
         k_begin = pid_s * K_PER_SPLIT
         k_end = gl.minimum(k_begin + K_PER_SPLIT, K)
 
         a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
         b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+        if TAIL > 0:
+            t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES, TAIL, BK], t_desc.layout)
+        else:
+            t_bufs = b_bufs  # never read
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES):
             mbarrier.init(ready.index(st), count=1)
             mbarrier.init(empty.index(st), count=2)  # both consumers release a stage
 
-        worker_args = (x_desc, w_desc, a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os,
-                       stride_om, off_m, off_n, pid_s, k_begin, k_end,
-                       _Plan(K, PROMOTE, N_CHUNKS, STAGES))  # fmt: skip
+        worker_args = (x_desc, w_desc, t_desc, a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N,
+                       stride_os, stride_om, off_m, off_n, pid_s, k_begin, k_end,
+                       _Plan(K, PROMOTE, N_CHUNKS, STAGES, TAIL))  # fmt: skip
         # fmt: off
         # The default partition's constexpr arguments are written in place: gathered in a tuple
         # variable first, they would arrive as runtime integers.
         gl.warp_specialize(
             [
-                (_consumer, (a_bufs, b_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om,
-                            off_m, off_n, pid_s, 0, PROMOTE, N_CHUNKS, STAGES)),
+                (_consumer, (a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os,
+                            stride_om, off_m, off_n, pid_s, 0, PROMOTE, N_CHUNKS, STAGES, TAIL)),
                 (_second_consumer, worker_args),
                 (_loader, worker_args),
             ],
             [4, 1],
-            [168, 40],
+            [REGS, 40],
         )
         # fmt: on
 
@@ -203,6 +248,14 @@ def _smem_layout(rows: int, block_k: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, block_k], gl_dtype)
 
 
+def registers_per_thread(block_n_tail: int) -> int:
+    """Registers of a consumer thread: two fp32 accumulators (chain and total) of 64 x block_n
+    and of 64 x block_n_tail per warpgroup (64 per 128 columns), plus addressing. The launch
+    reserves this for all 288 threads (<= 224 fits the 64K register file); the loader warp then
+    gives back all but 40."""
+    return {0: 168, 16: 184, 32: 200, 64: 224}[block_n_tail]
+
+
 def wgmma_ws_launch(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -213,9 +266,13 @@ def wgmma_ws_launch(
     promote_chunks: int,
     num_stages: int,
     k_per_split: int = 0,
+    block_n_tail: int = 0,
 ) -> torch.Tensor:
     """Write ``x @ w.T`` (fp32-mode sums) into the fp32 ``out`` [M, N] (unit stride along N).
-    ``k_per_split`` 0 or >= K: no split; else fp32 partials [S, M, N] added in split order."""
+    ``k_per_split`` 0 or >= K: no split; else fp32 partials [S, M, N] added in split order.
+    ``block_n_tail`` (0, 16, 32 or 64): each tile is block_n + block_n_tail columns wide, the
+    last ones on a second, narrower accumulator (160 = 128 + 32 experts in one tile; tile widths
+    must otherwise be powers of two)."""
     from csrc_triton.router_gemm_splitk import reduce_partials
 
     M, K = x.shape
@@ -227,6 +284,8 @@ def wgmma_ws_launch(
             f"promote_chunks={promote_chunks} with block_k={block_k}: chains must be 2..{MAX_CHAIN} "
             "along K in at least two chunks"
         )
+    if block_n_tail not in (0, 16, 32, 64) or block_n_tail >= block_n:
+        raise ValueError(f"block_n_tail={block_n_tail}; allowed: 0, 16, 32, 64 (below block_n={block_n})")
     if M == 0:
         return out
     kps = k_per_split if 0 < k_per_split < K else K
@@ -237,10 +296,16 @@ def wgmma_ws_launch(
     w_layout = _smem_layout(block_n, block_k, w.dtype)
     x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [BLOCK_M, block_k], x_layout)
     w_desc = TensorDescriptor(w, [N, K], [w.stride(0), 1], [block_n, block_k], w_layout)
-    grid = (cdiv(N, block_n), cdiv(M, BLOCK_M), split)
+    t_desc = w_desc
+    if block_n_tail:
+        t_layout = _smem_layout(block_n_tail, block_k, w.dtype)
+        t_desc = TensorDescriptor(w, [N, K], [w.stride(0), 1], [block_n_tail, block_k], t_layout)
+    regs = registers_per_thread(block_n_tail)
+    grid = (cdiv(N, block_n + block_n_tail), cdiv(M, BLOCK_M), split)
     _wgmma_ws_kernel[grid](
-        x_desc, w_desc, part, M, N, part.stride(0) if split > 1 else 0, part.stride(-2),
-        K, n_chunks * block_k, promote_chunks, num_stages, num_warps=4, maxnreg=168,
+        x_desc, w_desc, t_desc, part, M, N, part.stride(0) if split > 1 else 0, part.stride(-2),
+        K, n_chunks * block_k, promote_chunks, num_stages, block_n_tail, regs, num_warps=4,
+        maxnreg=regs,
     )  # fmt: skip
     if split > 1:
         reduce_partials(part, out)

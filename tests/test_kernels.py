@@ -440,6 +440,29 @@ def test_heuristic_takes_the_wgmma_ws_kernel_only_where_it_runs():
     assert wgmma_ws_split(1024, 2048, 64, 64, 132) == 512  # at most K / 512 splits
 
 
+def test_wgmma_ws_tiles_cover_160_experts_with_a_tail():
+    """DeepSeek-V2's 160 experts: one 128 + 32 tile instead of two 128-wide ones (96 padding
+    columns); 256 / 384 experts need no tail; the ring as deep as shared memory allows."""
+    from csrc_triton.configs import (
+        WGMMA_WS_SMEM_BYTES,
+        wgmma_ws_split,
+        wgmma_ws_stages,
+        wgmma_ws_tail,
+        wgmma_ws_tiles,
+    )
+
+    assert [wgmma_ws_tail(n) for n in (64, 128, 160, 256, 288, 384)] == [0, 0, 32, 0, 16, 0]
+    cfg = heuristic_config(8192, 5120, 160, "fp32", False, 132, wgmma_ws=True)
+    assert cfg.params["block_n"] == 128 and cfg.params["block_n_tail"] == 32
+    assert "block_n_tail=32" in cfg.describe()
+    assert "block_n_tail" not in heuristic_config(8192, 7168, 256, "fp32", False, 132, wgmma_ws=True).params
+    assert wgmma_ws_tiles(8192, 160, 128, 32) == 64 and wgmma_ws_tiles(8192, 160, 128) == 128
+    assert wgmma_ws_split(8192, 5120, 160, 128, 132, 32) == 2560  # 64 tiles x 2 splits
+    assert [wgmma_ws_stages(128, 64, t) for t in (0, 32, 64)] == [6, 6, 5]
+    for tail in (0, 16, 32, 64):
+        assert wgmma_ws_stages(128, 64, tail) * (256 + tail) * 64 * 2 <= WGMMA_WS_SMEM_BYTES
+
+
 def test_wgmma_ws_config_falls_back_to_triton_where_it_cannot_run(gen, caplog):
     """Under the interpreter (as for an fp32 weight, unaligned rows or a Triton without Gluon on a
     GPU) a wgmma_ws config runs the heuristic's Triton kernel: same accuracy, one log line."""
@@ -475,6 +498,8 @@ def test_wgmma_ws_requirements_name_the_problem(monkeypatch):
         wgmma_ws_launch(x, w, out, block_n=128, block_k=64, promote_chunks=8, num_stages=6)
     with pytest.raises(ValueError, match="fp32 logits"):
         wgmma_ws_launch(x, w, out.bfloat16(), block_n=128, block_k=64, promote_chunks=4, num_stages=6)
+    with pytest.raises(ValueError, match="block_n_tail=48; allowed: 0, 16, 32, 64"):
+        wgmma_ws_launch(x, w, out, block_n=128, block_k=64, promote_chunks=4, num_stages=6, block_n_tail=48)
 
 
 def test_tuned_table_lookup(monkeypatch):

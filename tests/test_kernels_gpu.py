@@ -105,6 +105,29 @@ def test_wgmma_ws_kernel_poisoned_and_accurate(shape, k_per_split, block_n):
         assert _rel(out, x, w) <= 1e-6, (m, cfg.describe())
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("k_per_split", [0, 1792], ids=lambda v: f"kps{v}")
+@pytest.mark.parametrize("tail", [16, 32, 64])
+def test_wgmma_ws_tail_tiles_poisoned_accurate_and_equal_to_plain_tiles(shape, k_per_split, tail):
+    """Tiles of 128 + tail columns (the tail on a second accumulator, its own TMA block): every
+    logit written, fp32-mode accuracy, and bitwise the logits of 128-wide tiles (per element the
+    same chains and adds; a wrong column offset or a stage released early would differ)."""
+    from csrc_triton.configs import wgmma_ws_config
+
+    if not _hopper():
+        pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
+    cfg = wgmma_ws_config(128, k_per_split, block_n_tail=tail)
+    plain = wgmma_ws_config(128, k_per_split)
+    for m in (1, 129, 1000, 4097):
+        x, w = _xw(m, shape, row_stride=shape.k + 64)
+        out = torch.full((m, shape.n), float("nan"), device="cuda")
+        run_config(cfg, x, w, out, dot_mode_for(x.dtype, w.dtype))
+        assert not out.isnan().any(), (m, cfg.describe())
+        assert _rel(out, x, w) <= 1e-6, (m, cfg.describe())
+        ref = run_config(plain, x, w, torch.empty_like(out), dot_mode_for(x.dtype, w.dtype))
+        assert torch.equal(out, ref), (m, cfg.describe())
+
+
 def test_wgmma_ws_falls_back_where_tma_cannot_read_the_rows():
     """Rows whose stride is not a multiple of 16 bytes cannot be TMA-loaded: the config runs on
     the heuristic's Triton kernel instead, with the same accuracy."""
@@ -120,12 +143,13 @@ def test_wgmma_ws_falls_back_where_tma_cannot_read_the_rows():
 
 
 @pytest.mark.parametrize("k_per_split", [0, 1792], ids=lambda v: f"kps{v}")
-def test_wgmma_ws_graph_replay_equals_eager(k_per_split):
+@pytest.mark.parametrize("tail", [0, 64])
+def test_wgmma_ws_graph_replay_equals_eager(k_per_split, tail):
     from csrc_triton.configs import wgmma_ws_config
 
     if not _hopper():
         pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
-    cfg = wgmma_ws_config(128, k_per_split)
+    cfg = wgmma_ws_config(128, k_per_split, block_n_tail=tail)
     x, w = _xw(2000, SHAPES[1])
     eager = run_config(cfg, x, w, torch.empty(2000, w.shape[0], device="cuda"), 0)
     out = torch.full_like(eager, float("nan"))
