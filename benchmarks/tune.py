@@ -421,8 +421,8 @@ def wgmma_ws_candidates(m: int, k: int, n: int) -> list[KernelConfig]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
     widths = [(128, 0)] + ([(64, 0)] if n % 128 else [])
-    # tiles of 128 + a tail where that width divides N (160 = 128 + 32; 384 = 2 x (128 + 64))
-    widths += [(128, t) for t in (32, 64) if n > 128 and n % (128 + t) == 0]
+    # tiles of 128 + a tail where that width divides N (160 = 128 + 32)
+    widths += [(128, t) for t in (16, 32) if n > 128 and n % (128 + t) == 0]
     for block_n, tail in widths:
         tiles = wgmma_ws_tiles(m, n, block_n, tail)
         for splits in WGMMA_WS_SPLITS:

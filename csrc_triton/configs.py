@@ -162,7 +162,7 @@ WGMMA_WS_MAX_STAGES = 6
 
 def wgmma_ws_stages(block_n: int, block_k: int = 64, block_n_tail: int = 0) -> int:
     """TMA ring depth: as many stages (<= 6, the probe's best) of the [128 + block_n + tail,
-    block_k] 16-bit blocks as fit in shared memory (6 at 128 columns, 6 at 128 + 32, 5 at 128 + 64)."""
+    block_k] 16-bit blocks as fit in shared memory (6 with 128 or 128 + 32 columns)."""
     stage_bytes = (WGMMA_WS_BLOCK_M + block_n + block_n_tail) * block_k * 2
     return min(WGMMA_WS_MAX_STAGES, WGMMA_WS_SMEM_BYTES // stage_bytes)
 
@@ -185,12 +185,12 @@ def wgmma_ws_config(
 
 
 def wgmma_ws_tail(n: int, block_n: int = 128) -> int:
-    """The tail (0, 16, 32 or 64 columns) whose tiles of block_n + tail columns pad N least
-    (ties: the narrower). DeepSeek-V2's 160 experts: one 160-wide tile (128 + 32) instead of two
-    128-wide ones of which 96 columns are padding; 256 or 384 experts: no tail."""
+    """The tail (0, 16 or 32 columns) whose tiles of block_n + tail columns pad N least (ties: the
+    narrower). DeepSeek-V2's 160 experts: one 160-wide tile (128 + 32) instead of two 128-wide
+    ones of which 96 columns are padding; 256 or 384 experts: no tail."""
     if n <= block_n:
         return 0
-    return min((0, 16, 32, 64), key=lambda t: (-(-n // (block_n + t)) * (block_n + t), t))
+    return min((0, 16, 32), key=lambda t: (-(-n // (block_n + t)) * (block_n + t), t))
 
 
 def wgmma_ws_tiles(m: int, n: int, block_n: int, block_n_tail: int = 0) -> int:

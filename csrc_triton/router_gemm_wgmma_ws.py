@@ -74,8 +74,8 @@ if GLUON:
     def _chain(a_bufs, b_bufs, t_bufs, ready, empty, i0, acc, acc_t, ROW0: gl.constexpr,
                LEN: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr):  # fmt: skip
         """One MMA chain from zero over chunks i0 .. i0+LEN-1 (one chunk's wgmmas in flight; with
-        a tail, two per chunk: the 128 columns and the TAIL ones); each ring stage is released once
-        the wgmmas that read it have retired. ``acc_t`` is unused without a tail."""
+        a tail, also all 128 rows by the TAIL last columns); each ring stage is released once the
+        wgmmas that read it have retired. ``acc_t`` is unused without a tail."""
         for j in gl.static_range(LEN):
             i = i0 + j
             s = i % STAGES
@@ -83,7 +83,8 @@ if GLUON:
             a = a_bufs.index(s).slice(ROW0, _HALF, dim=0)
             acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc, use_acc=j > 0, is_async=True)
             if TAIL > 0:
-                acc_t = warpgroup_mma(a, t_bufs.index(s).permute((1, 0)), acc_t, use_acc=j > 0, is_async=True)
+                b_t = t_bufs.index(s).permute((1, 0))
+                acc_t = warpgroup_mma(a_bufs.index(s), b_t, acc_t, use_acc=j > 0, is_async=True)
             if j > 0:
                 if TAIL > 0:
                     acc, acc_t = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_t))
@@ -109,8 +110,9 @@ if GLUON:
     def _consumer(a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om, off_m,
                   off_n, pid_s, ROW0: gl.constexpr, PROMOTE: gl.constexpr, N_CHUNKS: gl.constexpr,
                   STAGES: gl.constexpr, TAIL: gl.constexpr):  # fmt: skip
-        """Rows ROW0 .. ROW0+63 of the tile: chains of PROMOTE chunks (the last one shorter),
-        each added into the fp32 total, which is stored once."""
+        """Rows ROW0 .. ROW0+63 of the tile's first BN columns, and with TAIL > 0 all 128 rows of
+        its last TAIL columns: chains of PROMOTE chunks (the last one shorter), each added into
+        the fp32 total, which is stored once."""
         BN: gl.constexpr = b_bufs.shape[1]
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
@@ -119,12 +121,12 @@ if GLUON:
         REST: gl.constexpr = N_CHUNKS - FULL * PROMOTE
         acc = gl.zeros((_HALF, BN), gl.float32, mma)
         total = gl.zeros((_HALF, BN), gl.float32, mma)
-        if TAIL > 0:  # the tile's last TAIL columns: a second, narrower accumulator pair
+        if TAIL > 0:  # the tile's last TAIL columns, all 128 rows: a second accumulator pair
             mma_t: gl.constexpr = gl.NVMMADistributedLayout(
                 version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TAIL, 16]
             )
-            acc_t = gl.zeros((_HALF, TAIL), gl.float32, mma_t)
-            total_t = gl.zeros((_HALF, TAIL), gl.float32, mma_t)
+            acc_t = gl.zeros((2 * _HALF, TAIL), gl.float32, mma_t)
+            total_t = gl.zeros((2 * _HALF, TAIL), gl.float32, mma_t)
         else:
             acc_t = acc
             total_t = total
@@ -142,7 +144,7 @@ if GLUON:
                 total_t = total_t + acc_t
         _store(out_ptr, total, M, N, stride_os, stride_om, off_m + ROW0, off_n, pid_s, mma)
         if TAIL > 0:
-            _store(out_ptr, total_t, M, N, stride_os, stride_om, off_m + ROW0, off_n + BN, pid_s, mma_t)
+            _store(out_ptr, total_t, M, N, stride_os, stride_om, off_m, off_n + BN, pid_s, mma_t)
 
     @gluon.jit
     def _loader(x_desc, w_desc, t_desc, a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N,
@@ -172,7 +174,7 @@ if GLUON:
     def _second_consumer(x_desc, w_desc, t_desc, a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M,
                          N, stride_os, stride_om, off_m, off_n, pid_s, k_begin, k_end, plan):  # fmt: skip
         _consumer(a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om, off_m,
-                  off_n, pid_s, _HALF, plan.PROMOTE, plan.N_CHUNKS, plan.STAGES, plan.TAIL)  # fmt: skip
+                  off_n, pid_s, _HALF, plan.PROMOTE, plan.N_CHUNKS, plan.STAGES, 0)  # fmt: skip
 
     @gluon.jit
     def _wgmma_ws_kernel(x_desc, w_desc, t_desc, out_ptr, M, N, stride_os, stride_om, K: gl.constexpr,
@@ -248,12 +250,12 @@ def _smem_layout(rows: int, block_k: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, block_k], gl_dtype)
 
 
-def registers_per_thread(block_n_tail: int) -> int:
-    """Registers of a consumer thread: two fp32 accumulators (chain and total) of 64 x block_n
-    and of 64 x block_n_tail per warpgroup (64 per 128 columns), plus addressing. The launch
-    reserves this for all 288 threads (<= 224 fits the 64K register file); the loader warp then
-    gives back all but 40."""
-    return {0: 168, 16: 184, 32: 200, 64: 224}[block_n_tail]
+#: Registers per thread at launch: Gluon pads the loader warp to a warpgroup, so 384 threads x 168
+#: fill the 64K register file, and a worker partition can use no more. The default partition then
+#: takes up to 256 (``setmaxnreg``; the loader keeps 40): so it, not the second consumer, carries
+#: a tile's tail columns for all 128 rows (64 x 128 + 128 x 32 columns: 192 accumulator
+#: registers per thread, chain and total).
+WORKER_REGISTERS = 168
 
 
 def wgmma_ws_launch(
@@ -270,9 +272,9 @@ def wgmma_ws_launch(
 ) -> torch.Tensor:
     """Write ``x @ w.T`` (fp32-mode sums) into the fp32 ``out`` [M, N] (unit stride along N).
     ``k_per_split`` 0 or >= K: no split; else fp32 partials [S, M, N] added in split order.
-    ``block_n_tail`` (0, 16, 32 or 64): each tile is block_n + block_n_tail columns wide, the
-    last ones on a second, narrower accumulator (160 = 128 + 32 experts in one tile; tile widths
-    must otherwise be powers of two)."""
+    ``block_n_tail`` (0, 16 or 32): each tile is block_n + block_n_tail columns wide, the last
+    ones on a second, narrower accumulator (160 = 128 + 32 experts in one tile; tile widths must
+    otherwise be powers of two)."""
     from csrc_triton.router_gemm_splitk import reduce_partials
 
     M, K = x.shape
@@ -284,8 +286,8 @@ def wgmma_ws_launch(
             f"promote_chunks={promote_chunks} with block_k={block_k}: chains must be 2..{MAX_CHAIN} "
             "along K in at least two chunks"
         )
-    if block_n_tail not in (0, 16, 32, 64) or block_n_tail >= block_n:
-        raise ValueError(f"block_n_tail={block_n_tail}; allowed: 0, 16, 32, 64 (below block_n={block_n})")
+    if block_n_tail not in (0, 16, 32) or block_n_tail >= block_n:
+        raise ValueError(f"block_n_tail={block_n_tail}; allowed: 0, 16, 32 (below block_n={block_n})")
     if M == 0:
         return out
     kps = k_per_split if 0 < k_per_split < K else K
@@ -300,12 +302,11 @@ def wgmma_ws_launch(
     if block_n_tail:
         t_layout = _smem_layout(block_n_tail, block_k, w.dtype)
         t_desc = TensorDescriptor(w, [N, K], [w.stride(0), 1], [block_n_tail, block_k], t_layout)
-    regs = registers_per_thread(block_n_tail)
     grid = (cdiv(N, block_n + block_n_tail), cdiv(M, BLOCK_M), split)
     _wgmma_ws_kernel[grid](
         x_desc, w_desc, t_desc, part, M, N, part.stride(0) if split > 1 else 0, part.stride(-2),
-        K, n_chunks * block_k, promote_chunks, num_stages, block_n_tail, regs, num_warps=4,
-        maxnreg=regs,
+        K, n_chunks * block_k, promote_chunks, num_stages, block_n_tail, WORKER_REGISTERS,
+        num_warps=4, maxnreg=WORKER_REGISTERS,
     )  # fmt: skip
     if split > 1:
         reduce_partials(part, out)

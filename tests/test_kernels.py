@@ -391,6 +391,41 @@ def test_shrinking_stops_where_nothing_is_left_to_shrink(gen, monkeypatch):
         router_gemm_cuda(x, w, RouterPrecision.FP32, batch_invariant=False)
 
 
+def test_a_wgmma_ws_config_that_never_fits_runs_the_triton_fallback(gen, monkeypatch):
+    """A wgmma_ws config the GPU cannot launch (fewer registers or less shared memory than the
+    H200): fewer stages, then plain 128-wide tiles, then the Triton kernels' same fp32-mode sums;
+    never a failed serving step."""
+    from triton.runtime.errors import OutOfResources
+
+    import vllm_router_ext.ops.dispatch as d
+    from csrc_triton.configs import wgmma_ws_config
+
+    cfg = wgmma_ws_config(128, 0, num_stages=2, block_n_tail=32)
+    chain = [cfg]
+    while (smaller := d.shrink_config(chain[-1])) is not None:
+        chain.append(smaller)
+    assert [(c.params["num_stages"], c.params.get("block_n_tail", 0)) for c in chain] == [
+        (2, 32),
+        (1, 32),
+        (1, 0),
+    ]
+    tried = []
+    real = d.run_config
+
+    def no_wgmma_ws(cfg, *args):
+        tried.append(cfg.kernel)
+        if cfg.kernel == "wgmma_ws":
+            raise OutOfResources(384 * 200, 65536, "threads")
+        return real(cfg, *args)
+
+    monkeypatch.setattr(d, "run_config", no_wgmma_ws)
+    monkeypatch.setattr(d, "_FITTED", {})
+    x, w = _inputs(gen, 40, 512, 48)
+    out = d.run_fitting_config(cfg, x, w, _poisoned(40, 48, torch.float32), DOT_NATIVE)
+    assert tried[:3] == ["wgmma_ws"] * 3 and tried[3] != "wgmma_ws"
+    assert relative_error(out, reference_logits(x, w)) <= 1e-6
+
+
 def test_heuristic_configs_are_well_formed():
     for m in (1, 4, 5, 16, 64, 65, 4096, 16384):
         for bi in (False, True):
@@ -451,15 +486,16 @@ def test_wgmma_ws_tiles_cover_160_experts_with_a_tail():
         wgmma_ws_tiles,
     )
 
-    assert [wgmma_ws_tail(n) for n in (64, 128, 160, 256, 288, 384)] == [0, 0, 32, 0, 16, 0]
+    assert [wgmma_ws_tail(n) for n in (64, 128, 144, 160, 256, 288, 384)] == [0, 0, 16, 32, 0, 16, 0]
     cfg = heuristic_config(8192, 5120, 160, "fp32", False, 132, wgmma_ws=True)
     assert cfg.params["block_n"] == 128 and cfg.params["block_n_tail"] == 32
     assert "block_n_tail=32" in cfg.describe()
     assert "block_n_tail" not in heuristic_config(8192, 7168, 256, "fp32", False, 132, wgmma_ws=True).params
     assert wgmma_ws_tiles(8192, 160, 128, 32) == 64 and wgmma_ws_tiles(8192, 160, 128) == 128
     assert wgmma_ws_split(8192, 5120, 160, 128, 132, 32) == 2560  # 64 tiles x 2 splits
-    assert [wgmma_ws_stages(128, 64, t) for t in (0, 32, 64)] == [6, 6, 5]
-    for tail in (0, 16, 32, 64):
+    assert [wgmma_ws_stages(128, 64, t) for t in (0, 32)] == [6, 6]
+    assert wgmma_ws_stages(128, 128, 32) == 3
+    for tail in (0, 16, 32):
         assert wgmma_ws_stages(128, 64, tail) * (256 + tail) * 64 * 2 <= WGMMA_WS_SMEM_BYTES
 
 
@@ -498,8 +534,8 @@ def test_wgmma_ws_requirements_name_the_problem(monkeypatch):
         wgmma_ws_launch(x, w, out, block_n=128, block_k=64, promote_chunks=8, num_stages=6)
     with pytest.raises(ValueError, match="fp32 logits"):
         wgmma_ws_launch(x, w, out.bfloat16(), block_n=128, block_k=64, promote_chunks=4, num_stages=6)
-    with pytest.raises(ValueError, match="block_n_tail=48; allowed: 0, 16, 32, 64"):
-        wgmma_ws_launch(x, w, out, block_n=128, block_k=64, promote_chunks=4, num_stages=6, block_n_tail=48)
+    with pytest.raises(ValueError, match="block_n_tail=64; allowed: 0, 16, 32"):
+        wgmma_ws_launch(x, w, out, block_n=128, block_k=64, promote_chunks=4, num_stages=6, block_n_tail=64)
 
 
 def test_tuned_table_lookup(monkeypatch):

@@ -107,9 +107,10 @@ def test_wgmma_ws_kernel_poisoned_and_accurate(shape, k_per_split, block_n):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 @pytest.mark.parametrize("k_per_split", [0, 1792], ids=lambda v: f"kps{v}")
-@pytest.mark.parametrize("tail", [16, 32, 64])
+@pytest.mark.parametrize("tail", [16, 32])
 def test_wgmma_ws_tail_tiles_poisoned_accurate_and_equal_to_plain_tiles(shape, k_per_split, tail):
-    """Tiles of 128 + tail columns (the tail on a second accumulator, its own TMA block): every
+    """Tiles of 128 + tail columns (the tail on a second accumulator of the first consumer
+    warpgroup, all 128 rows, its own TMA block): every
     logit written, fp32-mode accuracy, and bitwise the logits of 128-wide tiles (per element the
     same chains and adds; a wrong column offset or a stage released early would differ)."""
     from csrc_triton.configs import wgmma_ws_config
@@ -143,7 +144,7 @@ def test_wgmma_ws_falls_back_where_tma_cannot_read_the_rows():
 
 
 @pytest.mark.parametrize("k_per_split", [0, 1792], ids=lambda v: f"kps{v}")
-@pytest.mark.parametrize("tail", [0, 64])
+@pytest.mark.parametrize("tail", [0, 32])
 def test_wgmma_ws_graph_replay_equals_eager(k_per_split, tail):
     from csrc_triton.configs import wgmma_ws_config
 

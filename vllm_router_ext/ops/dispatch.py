@@ -233,7 +233,9 @@ def shrink_config(cfg: KernelConfig) -> KernelConfig | None:
     p = dict(cfg.params)
     if p.get("num_stages", 1) > 1:
         p["num_stages"] -= 1
-    elif max(p.get("block_m", 0), p.get("block_n", 0)) > 16:
+    elif p.get("block_n_tail"):  # wgmma_ws: plain 128-wide tiles (its BLOCK_M is fixed)
+        del p["block_n_tail"]
+    elif "block_m" in p and max(p["block_m"], p["block_n"]) > 16:
         p["block_m" if p["block_m"] >= p["block_n"] else "block_n"] //= 2
     else:
         return None
@@ -261,6 +263,9 @@ def run_fitting_config(
             result = run_config(fitted, x, weight, out, dot_mode)
         except OutOfResources as e:
             smaller = shrink_config(fitted)
+            if smaller is None and fitted.kernel == "wgmma_ws":  # the Triton kernels' same sums
+                cap = _device_info(x.device.index or 0)[2] if x.is_cuda else 90
+                smaller = _wgmma_ws_fallback(fitted, x, weight, None, cap)
             if smaller is None:
                 raise
             logger.warning(
