@@ -429,6 +429,8 @@ def wgmma_ws_candidates(m: int, k: int, n: int) -> list[KernelConfig]:
             per_split = wgmma_ws_k_per_split(k, splits)
             if tiles * splits <= 2 * sms and per_split < k or splits == 1:
                 out.append(wgmma_ws_config(block_n, 0 if splits == 1 else per_split, block_n_tail=tail))
+    # stream-K: one program per SM, the tiles' chains shared evenly (no wave of idle SMs)
+    out += [wgmma_ws_config(block_n, 0, stream_k=sms) for block_n, tail in widths if not tail]
     return list(dict.fromkeys(out))
 
 

@@ -25,6 +25,7 @@ PARAM_KEYS = (
     "block_m",
     "block_n",
     "block_n_tail",
+    "stream_k",
     "block_k",
     "k_per_split",
     "promote_chunks",
@@ -49,7 +50,15 @@ class KernelConfig:
             return "cuBLAS"
         keys = ("block_m", "block_n", "block_k", "k_per_split", "promote_chunks", "num_warps", "num_stages")
         if self.kernel == "wgmma_ws":  # fixed: 128-row tiles, two consumer warpgroups, one loader warp
-            keys = ("block_n", "block_n_tail", "block_k", "k_per_split", "promote_chunks", "num_stages")
+            keys = (
+                "block_n",
+                "block_n_tail",
+                "block_k",
+                "k_per_split",
+                "stream_k",
+                "promote_chunks",
+                "num_stages",
+            )
         inner = ",".join(f"{k}={self.params[k]}" for k in keys if k in self.params)
         if self.params.get("splits_in_program"):
             inner += ",splits_in_program"
@@ -168,10 +177,17 @@ def wgmma_ws_stages(block_n: int, block_k: int = 64, block_n_tail: int = 0) -> i
 
 
 def wgmma_ws_config(
-    block_n: int, k_per_split: int, block_k: int = 64, num_stages: int | None = None, block_n_tail: int = 0
+    block_n: int,
+    k_per_split: int,
+    block_k: int = 64,
+    num_stages: int | None = None,
+    block_n_tail: int = 0,
+    stream_k: int = 0,
 ) -> KernelConfig:
     """A ``wgmma_ws`` config: fp32-mode chains of 256 along K (4 chunks of 64, 2 of 128). Tiles are
-    128 rows by block_n + block_n_tail columns (the tail on a second accumulator; 0 = none)."""
+    128 rows by block_n + block_n_tail columns (the tail on a second accumulator; 0 = none).
+    ``stream_k``: that many programs share all tiles' chains evenly (0 = one program per tile
+    and K split)."""
     params = dict(
         block_n=block_n,
         block_k=block_k,
@@ -179,8 +195,10 @@ def wgmma_ws_config(
         promote_chunks=2 * FP32_MAX_BLOCK_K // block_k,
         num_stages=num_stages or wgmma_ws_stages(block_n, block_k, block_n_tail),
     )
-    if block_n_tail:  # absent otherwise: the tables written before the tail existed stay valid
+    if block_n_tail:  # absent otherwise: the tables written before these existed stay valid
         params["block_n_tail"] = block_n_tail
+    if stream_k:
+        params["stream_k"] = stream_k
     return KernelConfig("wgmma_ws", params)
 
 

@@ -22,6 +22,8 @@ sm_90 (``python -m vllm_router_ext.testing.aot``); the GPU tests check their num
 import functools
 
 import torch
+import triton
+import triton.language as tl
 
 from csrc_triton import cdiv
 from csrc_triton.configs import FP32_MAX_BLOCK_K
@@ -30,7 +32,6 @@ from csrc_triton.configs import WGMMA_WS_BLOCK_M as BLOCK_M  # two consumer warp
 MAX_CHAIN = 2 * FP32_MAX_BLOCK_K  # the fp32 mode's longest MMA chain along K
 
 try:  # Gluon with Hopper warp specialisation: Triton >= 3.6
-    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -222,6 +223,168 @@ if GLUON:
         )
         # fmt: on
 
+    # Stream-K form: P programs (one per SM) share the tiles' chains evenly. Program p runs the
+    # chains [p * U // P, (p + 1) * U // P) of the U = tiles x CHAINS in tile order, so it covers
+    # the end of one tile, whole tiles and the start of another. A tile run by one program is
+    # stored as logits; a tile shared by several is stored as one partial per program (slot =
+    # p - the tile's first program) and added in slot order (= K order) by _streamk_fixup_kernel.
+    # Without it, 192 tiles (Kimi-K2, 8192 tokens) take two full waves on 132 SMs.
+
+    @aggregate
+    class _StreamPlan:
+        """Compile-time structure of the stream-K partitions (see _Plan)."""
+
+        K: gl.constexpr
+        PROMOTE: gl.constexpr
+        CHAINS: gl.constexpr
+        STAGES: gl.constexpr
+
+        @triton.constexpr_function
+        def __init__(self, K, PROMOTE, CHAINS, STAGES):
+            self.K = gl.constexpr(K)
+            self.PROMOTE = gl.constexpr(PROMOTE)
+            self.CHAINS = gl.constexpr(CHAINS)
+            self.STAGES = gl.constexpr(STAGES)
+
+    @gluon.jit
+    def _sk_consumer(a_bufs, b_bufs, ready, empty, out_ptr, ws_ptr, M, N, stride_om, stride_ws,
+                     stride_wm, units, tiles_n, ROW0: gl.constexpr, PROMOTE: gl.constexpr,
+                     CHAINS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        """Rows ROW0 .. ROW0+63 of every tile segment of this program, in chains of PROMOTE."""
+        BN: gl.constexpr = b_bufs.shape[1]
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+        )
+        p = gl.program_id(0)
+        n_prog = gl.num_programs(0)
+        u0 = p * units // n_prog
+        u1 = (p + 1) * units // n_prog
+        acc = gl.zeros((_HALF, BN), gl.float32, mma)
+        i = 0
+        for t in range(u0 // CHAINS, (u1 - 1) // CHAINS + 1):
+            c0 = gl.maximum(u0 - t * CHAINS, 0)
+            c1 = gl.minimum(u1 - t * CHAINS, CHAINS)
+            total = gl.zeros((_HALF, BN), gl.float32, mma)
+            for _c in range(c0, c1):
+                acc, acc_t = _chain(a_bufs, b_bufs, b_bufs, ready, empty, i, acc, acc, ROW0, PROMOTE,
+                                    STAGES, 0)  # fmt: skip
+                total = total + acc
+                i += PROMOTE
+            off_m = (t // tiles_n) * (2 * _HALF) + ROW0
+            off_n = (t % tiles_n) * BN
+            if (c0 == 0) & (c1 == CHAINS):
+                _store(out_ptr, total, M, N, 0, stride_om, off_m, off_n, 0, mma)
+            else:
+                slot = p - ((t * CHAINS + 1) * n_prog - 1) // units
+                _store(ws_ptr, total, M, N, stride_ws, stride_wm, off_m, off_n, slot, mma)
+
+    @gluon.jit
+    def _sk_loader(x_desc, w_desc, a_bufs, b_bufs, ready, empty, out_ptr, ws_ptr, M, N, stride_om,
+                   stride_ws, stride_wm, units, tiles_n, plan):  # fmt: skip
+        """One warp: TMA loads of every chunk of this program's chains, in the consumers' order."""
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        BN: gl.constexpr = w_desc.block_type.shape[0]
+        STAGES: gl.constexpr = plan.STAGES
+        p = gl.program_id(0)
+        n_prog = gl.num_programs(0)
+        u0 = p * units // n_prog
+        u1 = (p + 1) * units // n_prog
+        i = 0
+        for t in range(u0 // plan.CHAINS, (u1 - 1) // plan.CHAINS + 1):
+            c0 = gl.maximum(u0 - t * plan.CHAINS, 0)
+            c1 = gl.minimum(u1 - t * plan.CHAINS, plan.CHAINS)
+            off_m = (t // tiles_n) * BM
+            off_n = (t % tiles_n) * BN
+            for q in range((c1 - c0) * plan.PROMOTE):
+                s = i % STAGES
+                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+                k = (c0 * plan.PROMOTE + q) * BK
+                k = gl.where(k < plan.K, k, plan.K)  # past K: zeros (a last, shorter chain)
+                mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                _tma_load(x_desc, [off_m, k], ready.index(s), a_bufs.index(s))
+                _tma_load(w_desc, [off_n, k], ready.index(s), b_bufs.index(s))
+                i += 1
+
+    @gluon.jit
+    def _sk_second_consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, out_ptr, ws_ptr, M, N,
+                            stride_om, stride_ws, stride_wm, units, tiles_n, plan):  # fmt: skip
+        _sk_consumer(a_bufs, b_bufs, ready, empty, out_ptr, ws_ptr, M, N, stride_om, stride_ws,
+                     stride_wm, units, tiles_n, _HALF, plan.PROMOTE, plan.CHAINS, plan.STAGES)  # fmt: skip
+
+    @gluon.jit
+    def _wgmma_ws_streamk_kernel(x_desc, w_desc, out_ptr, ws_ptr, M, N, stride_om, stride_ws,
+                                 stride_wm, units, tiles_n, K: gl.constexpr, PROMOTE: gl.constexpr,
+                                 STAGES: gl.constexpr, REGS: gl.constexpr):  # fmt: skip
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        BN: gl.constexpr = w_desc.block_type.shape[0]
+        CHAINS: gl.constexpr = (K + PROMOTE * BK - 1) // (PROMOTE * BK)
+        a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
+        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(ready.index(st), count=1)
+            mbarrier.init(empty.index(st), count=2)
+        plan = _StreamPlan(K, PROMOTE, CHAINS, STAGES)
+        worker_args = (x_desc, w_desc, a_bufs, b_bufs, ready, empty, out_ptr, ws_ptr, M, N, stride_om,
+                       stride_ws, stride_wm, units, tiles_n, plan)  # fmt: skip
+        # fmt: off
+        gl.warp_specialize(
+            [
+                (_sk_consumer, (a_bufs, b_bufs, ready, empty, out_ptr, ws_ptr, M, N, stride_om,
+                               stride_ws, stride_wm, units, tiles_n, 0, PROMOTE, CHAINS, STAGES)),
+                (_sk_second_consumer, worker_args),
+                (_sk_loader, worker_args),
+            ],
+            [4, 1],
+            [REGS, 40],
+        )
+        # fmt: on
+
+
+@triton.jit
+def _streamk_fixup_kernel(ws_ptr, out_ptr, M, N, stride_ws, stride_wm, stride_om, units, n_prog,
+                          tiles_n, CHAINS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          SUB_M: tl.constexpr):  # fmt: skip
+    """One program per tile: a tile shared by several stream-K programs gets its partials added in
+    slot order (its programs' order, i.e. K order); a tile run by one program is already stored."""
+    t = tl.program_id(0)
+    first = ((t * CHAINS + 1) * n_prog - 1) // units
+    last = ((t + 1) * CHAINS * n_prog - 1) // units
+    if last > first:
+        cols = (t % tiles_n) * BN + tl.arange(0, BN)
+        for r in tl.static_range(0, BM, SUB_M):
+            rows = (t // tiles_n) * BM + r + tl.arange(0, SUB_M)
+            mask = (rows[:, None] < M) & (cols[None, :] < N)
+            offs = rows[:, None].to(tl.int64) * stride_wm + cols[None, :]
+            total = tl.load(ws_ptr + offs, mask=mask)
+            for j in range(1, last - first + 1):
+                total += tl.load(ws_ptr + j * stride_ws + offs, mask=mask)
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], total, mask=mask)
+
+
+def streamk_schedule(units: int, programs: int, chains: int) -> list[list[tuple[int, int]]]:
+    """Per tile, the (program, chains) segments of a stream-K launch, in K order: the kernels'
+    arithmetic written out (the tests and the workspace size use it)."""
+    tiles: list[list[tuple[int, int]]] = [[] for _ in range(units // chains)]
+    for p in range(programs):
+        u0, u1 = p * units // programs, (p + 1) * units // programs
+        for t in range(u0 // chains, (u1 - 1) // chains + 1) if u1 > u0 else ():
+            c0, c1 = max(u0 - t * chains, 0), min(u1 - t * chains, chains)
+            tiles[t].append((p, c1 - c0))
+    return tiles
+
+
+@functools.cache  # once per token count: the dispatch calls it on every launch
+def streamk_slots(units: int, programs: int, chains: int) -> int:
+    """Most programs sharing one tile: the partial slots of the workspace (as the kernels count)."""
+    return max(
+        ((t + 1) * chains * programs - 1) // units - ((t * chains + 1) * programs - 1) // units + 1
+        for t in range(units // chains)
+    )
+
 
 def unsupported_reason(x: torch.Tensor, w: torch.Tensor, capability: int) -> str | None:
     """Why this kernel cannot run these operands here (None: it can). It needs Hopper (sm_90:
@@ -269,12 +432,14 @@ def wgmma_ws_launch(
     num_stages: int,
     k_per_split: int = 0,
     block_n_tail: int = 0,
+    stream_k: int = 0,
 ) -> torch.Tensor:
     """Write ``x @ w.T`` (fp32-mode sums) into the fp32 ``out`` [M, N] (unit stride along N).
     ``k_per_split`` 0 or >= K: no split; else fp32 partials [S, M, N] added in split order.
     ``block_n_tail`` (0, 16 or 32): each tile is block_n + block_n_tail columns wide, the last
     ones on a second, narrower accumulator (160 = 128 + 32 experts in one tile; tile widths must
-    otherwise be powers of two)."""
+    otherwise be powers of two). ``stream_k`` > 0: that many programs (at most one per SM: the
+    ring fills shared memory) share the tiles' chains evenly instead (no K split, no tail)."""
     from csrc_triton.router_gemm_splitk import reduce_partials
 
     M, K = x.shape
@@ -288,8 +453,14 @@ def wgmma_ws_launch(
         )
     if block_n_tail not in (0, 16, 32) or block_n_tail >= block_n:
         raise ValueError(f"block_n_tail={block_n_tail}; allowed: 0, 16, 32 (below block_n={block_n})")
+    if stream_k and (block_n_tail or 0 < k_per_split < K):
+        raise ValueError(
+            f"stream_k={stream_k} shares whole tiles' chains: k_per_split and block_n_tail must be 0"
+        )
     if M == 0:
         return out
+    if stream_k:
+        return _streamk_launch(x, w, out, block_n, block_k, promote_chunks, num_stages, stream_k)
     kps = k_per_split if 0 < k_per_split < K else K
     n_chunks = cdiv(kps, block_k)
     split = cdiv(K, kps)
@@ -310,6 +481,43 @@ def wgmma_ws_launch(
     )  # fmt: skip
     if split > 1:
         reduce_partials(part, out)
+    return out
+
+
+def _streamk_launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    block_n: int,
+    block_k: int,
+    promote: int,
+    stages: int,
+    programs: int,
+) -> torch.Tensor:
+    M, K = x.shape
+    N = w.shape[0]
+    chains = cdiv(K, promote * block_k)
+    tiles_n = cdiv(N, block_n)
+    tiles = cdiv(M, BLOCK_M) * tiles_n
+    units = tiles * chains
+    programs = min(programs, units)
+    slots = streamk_slots(units, programs, chains)
+    ws = torch.empty((slots, M, N), dtype=torch.float32, device=out.device) if slots > 1 else out
+    x_desc = TensorDescriptor(
+        x, [M, K], [x.stride(0), 1], [BLOCK_M, block_k], _smem_layout(BLOCK_M, block_k, x.dtype)
+    )
+    w_desc = TensorDescriptor(
+        w, [N, K], [w.stride(0), 1], [block_n, block_k], _smem_layout(block_n, block_k, w.dtype)
+    )
+    _wgmma_ws_streamk_kernel[(programs,)](
+        x_desc, w_desc, out, ws, M, N, out.stride(0), ws.stride(0) if slots > 1 else 0, ws.stride(-2),
+        units, tiles_n, K, promote, stages, WORKER_REGISTERS, num_warps=4, maxnreg=WORKER_REGISTERS,
+    )  # fmt: skip
+    if slots > 1:
+        _streamk_fixup_kernel[(tiles,)](
+            ws, out, M, N, ws.stride(0), ws.stride(1), out.stride(0), units, programs, tiles_n,
+            CHAINS=chains, BM=BLOCK_M, BN=block_n, SUB_M=32, num_warps=4,
+        )  # fmt: skip
     return out
 
 

@@ -499,6 +499,54 @@ def test_wgmma_ws_tiles_cover_160_experts_with_a_tail():
         assert wgmma_ws_stages(128, 64, tail) * (256 + tail) * 64 * 2 <= WGMMA_WS_SMEM_BYTES
 
 
+@pytest.mark.parametrize(
+    "units,programs,chains", [(192 * 28, 132, 28), (48 * 28, 132, 28), (7, 3, 7), (40, 40, 5)]
+)
+def test_streamk_schedule_covers_every_chain_once_and_slots_follow_k_order(units, programs, chains):
+    """The stream-K programs' shares (the kernels' arithmetic, written out): every tile's chains
+    covered once, in program order; the kernels' slot formula (p - the tile's first program)
+    is the program's place in that order; the workspace has a slot for every one."""
+    from csrc_triton.router_gemm_wgmma_ws import streamk_schedule, streamk_slots
+
+    tiles = streamk_schedule(units, programs, chains)
+    assert len(tiles) == units // chains
+    for t, segments in enumerate(tiles):
+        assert sum(n for _, n in segments) == chains
+        first = ((t * chains + 1) * programs - 1) // units
+        assert [p - first for p, _ in segments] == list(range(len(segments)))
+    assert streamk_slots(units, programs, chains) == max(len(s) for s in tiles)
+
+
+def test_streamk_fixup_adds_shared_tiles_partials_in_slot_order(gen):
+    """The stream-K fixup kernel (plain Triton, so under the interpreter here): each shared tile's
+    partials added in slot (K) order into its logits; tiles run by one program left as they are."""
+    from csrc_triton.router_gemm_wgmma_ws import _streamk_fixup_kernel, streamk_schedule, streamk_slots
+
+    m, n, bm, bn, chains, programs = 300, 96, 128, 32, 5, 7
+    tiles_n = -(-n // bn)
+    units = -(-m // bm) * tiles_n * chains
+    slots = streamk_slots(units, programs, chains)
+    ws = torch.randn(slots, m, n, generator=gen).to(DEV)
+    out = _poisoned(m, n, torch.float32)
+    whole = torch.randn(m, n, generator=gen).to(DEV)
+    expected = whole.clone()
+    for t, segments in enumerate(streamk_schedule(units, programs, chains)):
+        rows = slice((t // tiles_n) * bm, (t // tiles_n + 1) * bm)
+        cols = slice((t % tiles_n) * bn, (t % tiles_n + 1) * bn)
+        if len(segments) == 1:
+            out[rows, cols] = whole[rows, cols]  # stored by its one program
+        else:
+            total = ws[0, rows, cols].clone()
+            for j in range(1, len(segments)):
+                total += ws[j, rows, cols]
+            expected[rows, cols] = total
+    _streamk_fixup_kernel[(units // chains,)](
+        ws, out, m, n, ws.stride(0), ws.stride(1), out.stride(0), units, programs, tiles_n,
+        CHAINS=chains, BM=bm, BN=bn, SUB_M=32,
+    )  # fmt: skip
+    assert torch.equal(out, expected)
+
+
 def test_wgmma_ws_config_falls_back_to_triton_where_it_cannot_run(gen, caplog):
     """Under the interpreter (as for an fp32 weight, unaligned rows or a Triton without Gluon on a
     GPU) a wgmma_ws config runs the heuristic's Triton kernel: same accuracy, one log line."""
@@ -534,6 +582,10 @@ def test_wgmma_ws_requirements_name_the_problem(monkeypatch):
         wgmma_ws_launch(x, w, out, block_n=128, block_k=64, promote_chunks=8, num_stages=6)
     with pytest.raises(ValueError, match="fp32 logits"):
         wgmma_ws_launch(x, w, out.bfloat16(), block_n=128, block_k=64, promote_chunks=4, num_stages=6)
+    with pytest.raises(ValueError, match="stream_k=132 shares whole tiles' chains"):
+        wgmma_ws_launch(
+            x, w, out, block_n=128, block_k=64, promote_chunks=4, num_stages=6, k_per_split=1024, stream_k=132
+        )
     with pytest.raises(ValueError, match="block_n_tail=64; allowed: 0, 16, 32"):
         wgmma_ws_launch(x, w, out, block_n=128, block_k=64, promote_chunks=4, num_stages=6, block_n_tail=64)
 

@@ -129,6 +129,26 @@ def test_wgmma_ws_tail_tiles_poisoned_accurate_and_equal_to_plain_tiles(shape, k
         assert torch.equal(out, ref), (m, cfg.describe())
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("programs", [132, 100, 7])
+def test_wgmma_ws_stream_k_poisoned_and_accurate(shape, programs):
+    """Stream-K: the programs share every tile's chains (a program ends one tile, runs whole ones,
+    starts the next; shared tiles' partials added by the fixup): every logit written, fp32-mode
+    accuracy, at M from one tile to many waves, 128- and 64-wide tiles."""
+    from csrc_triton.configs import wgmma_ws_config
+
+    if not _hopper():
+        pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
+    for block_n in (128, 64):
+        cfg = wgmma_ws_config(block_n, 0, stream_k=programs)
+        for m in (1, 129, 1000, 4097, 8192):
+            x, w = _xw(m, shape, row_stride=shape.k + 64)
+            out = torch.full((m, shape.n), float("nan"), device="cuda")
+            run_config(cfg, x, w, out, dot_mode_for(x.dtype, w.dtype))
+            assert not out.isnan().any(), (m, cfg.describe())
+            assert _rel(out, x, w) <= 1e-6, (m, cfg.describe())
+
+
 def test_wgmma_ws_falls_back_where_tma_cannot_read_the_rows():
     """Rows whose stride is not a multiple of 16 bytes cannot be TMA-loaded: the config runs on
     the heuristic's Triton kernel instead, with the same accuracy."""
@@ -145,12 +165,15 @@ def test_wgmma_ws_falls_back_where_tma_cannot_read_the_rows():
 
 @pytest.mark.parametrize("k_per_split", [0, 1792], ids=lambda v: f"kps{v}")
 @pytest.mark.parametrize("tail", [0, 32])
-def test_wgmma_ws_graph_replay_equals_eager(k_per_split, tail):
+@pytest.mark.parametrize("stream_k", [0, 132])
+def test_wgmma_ws_graph_replay_equals_eager(k_per_split, tail, stream_k):
     from csrc_triton.configs import wgmma_ws_config
 
     if not _hopper():
         pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
-    cfg = wgmma_ws_config(128, k_per_split, block_n_tail=tail)
+    if stream_k and (tail or k_per_split):
+        pytest.skip("stream-K runs without a K split or a tail")
+    cfg = wgmma_ws_config(128, k_per_split, block_n_tail=tail, stream_k=stream_k)
     x, w = _xw(2000, SHAPES[1])
     eager = run_config(cfg, x, w, torch.empty(2000, w.shape[0], device="cuda"), 0)
     out = torch.full_like(eager, float("nan"))
