@@ -223,12 +223,15 @@ if GLUON:
         )
         # fmt: on
 
-    # Stream-K form: P programs (one per SM) share the tiles' chains evenly. Program p runs the
-    # chains [p * U // P, (p + 1) * U // P) of the U = tiles x CHAINS in tile order, so it covers
-    # the end of one tile, whole tiles and the start of another. A tile run by one program is
-    # stored as logits; a tile shared by several is stored as one partial per program (slot =
-    # p - the tile's first program) and added in slot order (= K order) by _streamk_fixup_kernel.
-    # Without it, 192 tiles (Kimi-K2, 8192 tokens) take two full waves on 132 SMs.
+    # Stream-K form: G groups of tiles_n programs (one per SM in all) share the 128-row blocks'
+    # chains evenly. Group g runs the chains [g * U // G, (g + 1) * U // G) of the U = row blocks x
+    # CHAINS in row order, so it covers the end of one row block, whole ones and the start of
+    # another; its tiles_n programs (adjacent program ids, launched together) do so for each
+    # column tile, reading the same activation chunks at the same time (one HBM read, as in the
+    # one-tile-per-program form). A tile run by one group is stored as logits; a tile shared by
+    # several is stored as one partial per group (slot = g - the row block's first group) and
+    # added in slot order (= K order) by _streamk_fixup_kernel. Without it, 192 tiles (Kimi-K2,
+    # 8192 tokens) take two full waves on 132 SMs.
 
     @aggregate
     class _StreamPlan:
@@ -255,13 +258,13 @@ if GLUON:
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
         )
-        p = gl.program_id(0)
-        n_prog = gl.num_programs(0)
-        u0 = p * units // n_prog
-        u1 = (p + 1) * units // n_prog
+        g = gl.program_id(0) // tiles_n
+        groups = gl.num_programs(0) // tiles_n
+        u0 = g * units // groups
+        u1 = (g + 1) * units // groups
         acc = gl.zeros((_HALF, BN), gl.float32, mma)
         i = 0
-        for t in range(u0 // CHAINS, (u1 - 1) // CHAINS + 1):
+        for t in range(u0 // CHAINS, (u1 - 1) // CHAINS + 1):  # row blocks
             c0 = gl.maximum(u0 - t * CHAINS, 0)
             c1 = gl.minimum(u1 - t * CHAINS, CHAINS)
             total = gl.zeros((_HALF, BN), gl.float32, mma)
@@ -270,12 +273,12 @@ if GLUON:
                                     STAGES, 0)  # fmt: skip
                 total = total + acc
                 i += PROMOTE
-            off_m = (t // tiles_n) * (2 * _HALF) + ROW0
-            off_n = (t % tiles_n) * BN
+            off_m = t * (2 * _HALF) + ROW0
+            off_n = (gl.program_id(0) % tiles_n) * BN
             if (c0 == 0) & (c1 == CHAINS):
                 _store(out_ptr, total, M, N, 0, stride_om, off_m, off_n, 0, mma)
             else:
-                slot = p - ((t * CHAINS + 1) * n_prog - 1) // units
+                slot = g - ((t * CHAINS + 1) * groups - 1) // units
                 _store(ws_ptr, total, M, N, stride_ws, stride_wm, off_m, off_n, slot, mma)
 
     @gluon.jit
@@ -286,16 +289,16 @@ if GLUON:
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]
         STAGES: gl.constexpr = plan.STAGES
-        p = gl.program_id(0)
-        n_prog = gl.num_programs(0)
-        u0 = p * units // n_prog
-        u1 = (p + 1) * units // n_prog
+        g = gl.program_id(0) // tiles_n
+        groups = gl.num_programs(0) // tiles_n
+        u0 = g * units // groups
+        u1 = (g + 1) * units // groups
+        off_n = (gl.program_id(0) % tiles_n) * BN
         i = 0
         for t in range(u0 // plan.CHAINS, (u1 - 1) // plan.CHAINS + 1):
             c0 = gl.maximum(u0 - t * plan.CHAINS, 0)
             c1 = gl.minimum(u1 - t * plan.CHAINS, plan.CHAINS)
-            off_m = (t // tiles_n) * BM
-            off_n = (t % tiles_n) * BN
+            off_m = t * BM
             for q in range((c1 - c0) * plan.PROMOTE):
                 s = i % STAGES
                 mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
@@ -345,18 +348,18 @@ if GLUON:
 
 
 @triton.jit
-def _streamk_fixup_kernel(ws_ptr, out_ptr, M, N, stride_ws, stride_wm, stride_om, units, n_prog,
+def _streamk_fixup_kernel(ws_ptr, out_ptr, M, N, stride_ws, stride_wm, stride_om, units, groups,
                           tiles_n, CHAINS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           SUB_M: tl.constexpr):  # fmt: skip
-    """One program per tile: a tile shared by several stream-K programs gets its partials added in
-    slot order (its programs' order, i.e. K order); a tile run by one program is already stored."""
-    t = tl.program_id(0)
-    first = ((t * CHAINS + 1) * n_prog - 1) // units
-    last = ((t + 1) * CHAINS * n_prog - 1) // units
+    """One program per tile: a tile shared by several stream-K groups gets its partials added in
+    slot order (its groups' order, i.e. K order); a tile run by one group is already stored."""
+    t = tl.program_id(0) // tiles_n  # row block
+    first = ((t * CHAINS + 1) * groups - 1) // units
+    last = ((t + 1) * CHAINS * groups - 1) // units
     if last > first:
-        cols = (t % tiles_n) * BN + tl.arange(0, BN)
+        cols = (tl.program_id(0) % tiles_n) * BN + tl.arange(0, BN)
         for r in tl.static_range(0, BM, SUB_M):
-            rows = (t // tiles_n) * BM + r + tl.arange(0, SUB_M)
+            rows = t * BM + r + tl.arange(0, SUB_M)
             mask = (rows[:, None] < M) & (cols[None, :] < N)
             offs = rows[:, None].to(tl.int64) * stride_wm + cols[None, :]
             total = tl.load(ws_ptr + offs, mask=mask)
@@ -365,12 +368,12 @@ def _streamk_fixup_kernel(ws_ptr, out_ptr, M, N, stride_ws, stride_wm, stride_om
             tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], total, mask=mask)
 
 
-def streamk_schedule(units: int, programs: int, chains: int) -> list[list[tuple[int, int]]]:
-    """Per tile, the (program, chains) segments of a stream-K launch, in K order: the kernels'
-    arithmetic written out (the tests and the workspace size use it)."""
+def streamk_schedule(units: int, groups: int, chains: int) -> list[list[tuple[int, int]]]:
+    """Per row block, the (group, chains) segments of a stream-K launch, in K order: the kernels'
+    arithmetic written out (for the tests)."""
     tiles: list[list[tuple[int, int]]] = [[] for _ in range(units // chains)]
-    for p in range(programs):
-        u0, u1 = p * units // programs, (p + 1) * units // programs
+    for p in range(groups):
+        u0, u1 = p * units // groups, (p + 1) * units // groups
         for t in range(u0 // chains, (u1 - 1) // chains + 1) if u1 > u0 else ():
             c0, c1 = max(u0 - t * chains, 0), min(u1 - t * chains, chains)
             tiles[t].append((p, c1 - c0))
@@ -378,10 +381,10 @@ def streamk_schedule(units: int, programs: int, chains: int) -> list[list[tuple[
 
 
 @functools.cache  # once per token count: the dispatch calls it on every launch
-def streamk_slots(units: int, programs: int, chains: int) -> int:
-    """Most programs sharing one tile: the partial slots of the workspace (as the kernels count)."""
+def streamk_slots(units: int, groups: int, chains: int) -> int:
+    """Most groups sharing one row block: the partial slots of the workspace (as the kernels count)."""
     return max(
-        ((t + 1) * chains * programs - 1) // units - ((t * chains + 1) * programs - 1) // units + 1
+        ((t + 1) * chains * groups - 1) // units - ((t * chains + 1) * groups - 1) // units + 1
         for t in range(units // chains)
     )
 
@@ -498,10 +501,9 @@ def _streamk_launch(
     N = w.shape[0]
     chains = cdiv(K, promote * block_k)
     tiles_n = cdiv(N, block_n)
-    tiles = cdiv(M, BLOCK_M) * tiles_n
-    units = tiles * chains
-    programs = min(programs, units)
-    slots = streamk_slots(units, programs, chains)
+    units = cdiv(M, BLOCK_M) * chains  # row blocks x chains
+    groups = min(max(1, programs // tiles_n), units)
+    slots = streamk_slots(units, groups, chains)
     ws = torch.empty((slots, M, N), dtype=torch.float32, device=out.device) if slots > 1 else out
     x_desc = TensorDescriptor(
         x, [M, K], [x.stride(0), 1], [BLOCK_M, block_k], _smem_layout(BLOCK_M, block_k, x.dtype)
@@ -509,13 +511,13 @@ def _streamk_launch(
     w_desc = TensorDescriptor(
         w, [N, K], [w.stride(0), 1], [block_n, block_k], _smem_layout(block_n, block_k, w.dtype)
     )
-    _wgmma_ws_streamk_kernel[(programs,)](
+    _wgmma_ws_streamk_kernel[(groups * tiles_n,)](
         x_desc, w_desc, out, ws, M, N, out.stride(0), ws.stride(0) if slots > 1 else 0, ws.stride(-2),
         units, tiles_n, K, promote, stages, WORKER_REGISTERS, num_warps=4, maxnreg=WORKER_REGISTERS,
     )  # fmt: skip
     if slots > 1:
-        _streamk_fixup_kernel[(tiles,)](
-            ws, out, M, N, ws.stride(0), ws.stride(1), out.stride(0), units, programs, tiles_n,
+        _streamk_fixup_kernel[(cdiv(M, BLOCK_M) * tiles_n,)](
+            ws, out, M, N, ws.stride(0), ws.stride(1), out.stride(0), units, groups, tiles_n,
             CHAINS=chains, BM=BLOCK_M, BN=block_n, SUB_M=32, num_warps=4,
         )  # fmt: skip
     return out

@@ -500,48 +500,48 @@ def test_wgmma_ws_tiles_cover_160_experts_with_a_tail():
 
 
 @pytest.mark.parametrize(
-    "units,programs,chains", [(192 * 28, 132, 28), (48 * 28, 132, 28), (7, 3, 7), (40, 40, 5)]
+    "units,groups,chains", [(64 * 28, 44, 28), (16 * 28, 44, 28), (7, 3, 7), (40, 40, 5)]
 )
-def test_streamk_schedule_covers_every_chain_once_and_slots_follow_k_order(units, programs, chains):
-    """The stream-K programs' shares (the kernels' arithmetic, written out): every tile's chains
-    covered once, in program order; the kernels' slot formula (p - the tile's first program)
-    is the program's place in that order; the workspace has a slot for every one."""
+def test_streamk_schedule_covers_every_chain_once_and_slots_follow_k_order(units, groups, chains):
+    """The stream-K groups' shares of the row blocks' chains (the kernels' arithmetic, written
+    out): every row block's chains covered once, in group order; the kernels' slot formula
+    (g - the row block's first group) is the group's place in that order; the workspace has a
+    slot for every one."""
     from csrc_triton.router_gemm_wgmma_ws import streamk_schedule, streamk_slots
 
-    tiles = streamk_schedule(units, programs, chains)
-    assert len(tiles) == units // chains
-    for t, segments in enumerate(tiles):
+    blocks = streamk_schedule(units, groups, chains)
+    assert len(blocks) == units // chains
+    for t, segments in enumerate(blocks):
         assert sum(n for _, n in segments) == chains
-        first = ((t * chains + 1) * programs - 1) // units
-        assert [p - first for p, _ in segments] == list(range(len(segments)))
-    assert streamk_slots(units, programs, chains) == max(len(s) for s in tiles)
+        first = ((t * chains + 1) * groups - 1) // units
+        assert [g - first for g, _ in segments] == list(range(len(segments)))
+    assert streamk_slots(units, groups, chains) == max(len(s) for s in blocks)
 
 
 def test_streamk_fixup_adds_shared_tiles_partials_in_slot_order(gen):
     """The stream-K fixup kernel (plain Triton, so under the interpreter here): each shared tile's
-    partials added in slot (K) order into its logits; tiles run by one program left as they are."""
+    partials added in slot (K) order into its logits; tiles run by one group left as they are."""
     from csrc_triton.router_gemm_wgmma_ws import _streamk_fixup_kernel, streamk_schedule, streamk_slots
 
-    m, n, bm, bn, chains, programs = 300, 96, 128, 32, 5, 7
+    m, n, bm, bn, chains, groups = 300, 96, 128, 32, 5, 7
     tiles_n = -(-n // bn)
-    units = -(-m // bm) * tiles_n * chains
-    slots = streamk_slots(units, programs, chains)
+    units = -(-m // bm) * chains
+    slots = streamk_slots(units, groups, chains)
     ws = torch.randn(slots, m, n, generator=gen).to(DEV)
     out = _poisoned(m, n, torch.float32)
     whole = torch.randn(m, n, generator=gen).to(DEV)
     expected = whole.clone()
-    for t, segments in enumerate(streamk_schedule(units, programs, chains)):
-        rows = slice((t // tiles_n) * bm, (t // tiles_n + 1) * bm)
-        cols = slice((t % tiles_n) * bn, (t % tiles_n + 1) * bn)
+    for t, segments in enumerate(streamk_schedule(units, groups, chains)):
+        rows = slice(t * bm, (t + 1) * bm)
         if len(segments) == 1:
-            out[rows, cols] = whole[rows, cols]  # stored by its one program
+            out[rows] = whole[rows]  # stored by its one group
         else:
-            total = ws[0, rows, cols].clone()
+            total = ws[0, rows].clone()
             for j in range(1, len(segments)):
-                total += ws[j, rows, cols]
-            expected[rows, cols] = total
-    _streamk_fixup_kernel[(units // chains,)](
-        ws, out, m, n, ws.stride(0), ws.stride(1), out.stride(0), units, programs, tiles_n,
+                total += ws[j, rows]
+            expected[rows] = total
+    _streamk_fixup_kernel[(units // chains * tiles_n,)](
+        ws, out, m, n, ws.stride(0), ws.stride(1), out.stride(0), units, groups, tiles_n,
         CHAINS=chains, BM=bm, BN=bn, SUB_M=32,
     )  # fmt: skip
     assert torch.equal(out, expected)
