@@ -484,10 +484,11 @@ def merge_buckets(old: list[dict], new: dict[int, tuple[float, KernelConfig]], m
 
 
 def tune_targeted(
-    shape, mode: str, old: list[dict], ms
+    shape, mode: str, old: list[dict], ms, old_triton: list[dict] | None = None
 ) -> tuple[list[dict], dict[int, tuple[float, KernelConfig]]]:
     """Time the targeted candidates and the table's current config at each M; keep the fastest
-    (and return the fastest Triton config per M)."""
+    (and return the fastest Triton config per M, the table's ``<mode>/triton`` one among them:
+    the targeted candidates alone are a subset of the full search that chose it)."""
     new = {}
     triton_by_m = {}
     for m in ms:
@@ -497,6 +498,9 @@ def tune_targeted(
         current = bucket_config(old, m)
         if current is not None and current.kernel != "cublas":
             cands.append(current)
+        fallback = bucket_config(old_triton, m) if old_triton else None
+        if fallback is not None and fallback not in cands:
+            cands.append(fallback)
         xs, ws = make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m)
         if mode == "bf16-fp32out":
             cands.append(KernelConfig("cublas"))
@@ -572,7 +576,9 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.modes.split(","):
             if args.targeted:
                 previous = entry.get(mode, [])
-                entry[mode], triton_by_m = tune_targeted(shape, mode, previous, ms)
+                entry[mode], triton_by_m = tune_targeted(
+                    shape, mode, previous, ms, entry.get(f"{mode}/triton")
+                )
                 _triton_buckets(entry, mode, previous, triton_by_m, M_LIST)
                 out.write_text(json.dumps(table, indent=1))
                 continue

@@ -540,9 +540,9 @@ def test_streamk_fixup_adds_shared_tiles_partials_in_slot_order(gen):
             for j in range(1, len(segments)):
                 total += ws[j, rows]
             expected[rows] = total
-    _streamk_fixup_kernel[(units // chains * tiles_n,)](
+    _streamk_fixup_kernel[(units // chains * tiles_n * (bm // 32),)](
         ws, out, m, n, ws.stride(0), ws.stride(1), out.stride(0), units, groups, tiles_n,
-        CHAINS=chains, BM=bm, BN=bn, SUB_M=32,
+        CHAINS=chains, BM=bm, BN=bn, SUB_M=32, SLOTS=slots,
     )  # fmt: skip
     assert torch.equal(out, expected)
 
