@@ -69,3 +69,36 @@ def test_every_dispatched_kernel_compiles(compile_runs, arch, name, sms):
     # it, one LDL after, per program), which is not register pressure
     spilled = [r["what"] for r in results if r["spill_bytes"] > 8 and r["source"] == "heuristic"]
     assert not spilled, f"heuristic configs spill registers on sm_{arch}: {spilled}"
+
+
+def test_wgmma_ws_forms_compile_for_sm90_without_spills():
+    """Every form of the Gluon kernel, whether or not the table selects it today: plain, K split,
+    a 32-column tail (the default partition's second accumulator), stream-K with its fixup. The
+    sm_90 compile (in a subprocess, like the dispatch compile: no TRITON_INTERPRET) must not spill."""
+    script = """
+import json, torch
+from vllm_router_ext.testing.aot import _captured_launches, _compile, _resources
+from csrc_triton.router_gemm_wgmma_ws import GLUON, wgmma_ws_launch
+out = []
+forms = [dict(), dict(k_per_split=1792), dict(block_n_tail=32), dict(stream_k=132)]
+for form in forms if GLUON else []:
+    n = 160 if form.get("block_n_tail") else 384
+    x, w = torch.zeros(8192, 7168, dtype=torch.bfloat16), torch.zeros(n, 7168, dtype=torch.bfloat16)
+    with _captured_launches() as launches:
+        wgmma_ws_launch(x, w, torch.empty(8192, n), block_n=128, block_k=64, promote_chunks=4,
+                        num_stages=6, **form)
+    for fn, args, kwargs in launches:
+        out.append([str(form), fn.__name__, *_resources(_compile(fn, args, kwargs, 90))])
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    from csrc_triton.router_gemm_wgmma_ws import GLUON
+
+    if not GLUON:
+        pytest.skip("this Triton has no Gluon warp specialisation: the dispatch never selects the kernel")
+    kernels = {r[1] for r in results}
+    assert {"_wgmma_ws_kernel", "_wgmma_ws_streamk_kernel", "_streamk_fixup_kernel"} <= kernels
+    assert not [r for r in results if r[3]], results  # spill bytes
