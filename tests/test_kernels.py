@@ -486,7 +486,7 @@ def test_wgmma_ws_tiles_cover_160_experts_with_a_tail():
         wgmma_ws_tiles,
     )
 
-    assert [wgmma_ws_tail(n) for n in (64, 128, 144, 160, 256, 288, 384)] == [0, 0, 16, 32, 0, 16, 0]
+    assert [wgmma_ws_tail(n) for n in (64, 128, 144, 160, 256, 288, 384, 480)] == [0, 0, 16, 32, 0, 16, 0, 0]
     cfg = heuristic_config(8192, 5120, 160, "fp32", False, 132, wgmma_ws=True)
     assert cfg.params["block_n"] == 128 and cfg.params["block_n_tail"] == 32
     assert "block_n_tail=32" in cfg.describe()
