@@ -15,6 +15,11 @@ drains and adds, the other's wgmmas keep the tensor cores busy, and the loads ne
 either. Measured on the H200 (``benchmarks/probe_pingpong.py``): 0.73-0.77x the Triton fp32
 kernel's time at 8192-16384 tokens, 1.01-1.24x cuBLAS's bf16 GEMM.
 
+Two more forms, with the same chains and adds per logit: a tile of 128 + a 16/32-column tail
+(160 experts in one tile; the tail is carried by the default partition, the only one that may
+hold more than the launch's 168 registers), and stream-K (groups of programs share the row
+blocks' chains evenly; shared tiles' partials are added in K order by a fixup kernel).
+
 Gluon kernels compile for the GPU only (no ``TRITON_INTERPRET=1``): CPU CI compiles them for
 sm_90 (``python -m vllm_router_ext.testing.aot``); the GPU tests check their numbers.
 """
