@@ -159,18 +159,17 @@ if GLUON:
         split's end is loaded from column K, wholly out of bounds: TMA fills it with zeros."""
         BK: gl.constexpr = x_desc.block_type.shape[1]
         STAGES: gl.constexpr = plan.STAGES
+        NBYTES: gl.constexpr = (
+            x_desc.block_type.nbytes
+            + w_desc.block_type.nbytes
+            + (t_desc.block_type.nbytes if plan.TAIL > 0 else 0)
+        )
         for i in range(plan.N_CHUNKS):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             k = k_begin + i * BK
             k = gl.where(k < k_end, k, plan.K)
-            if plan.TAIL > 0:
-                mbarrier.expect(
-                    ready.index(s),
-                    x_desc.block_type.nbytes + w_desc.block_type.nbytes + t_desc.block_type.nbytes,
-                )
-            else:
-                mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            mbarrier.expect(ready.index(s), NBYTES)
             _tma_load(x_desc, [off_m, k], ready.index(s), a_bufs.index(s))
             _tma_load(w_desc, [off_n, k], ready.index(s), b_bufs.index(s))
             if plan.TAIL > 0:
@@ -274,8 +273,8 @@ if GLUON:
             c1 = gl.minimum(u1 - t * CHAINS, CHAINS)
             total = gl.zeros((_HALF, BN), gl.float32, mma)
             for _c in range(c0, c1):
-                acc, acc_t = _chain(a_bufs, b_bufs, b_bufs, ready, empty, i, acc, acc, ROW0, PROMOTE,
-                                    STAGES, 0)  # fmt: skip
+                acc, _ = _chain(a_bufs, b_bufs, b_bufs, ready, empty, i, acc, acc, ROW0, PROMOTE,
+                                STAGES, 0)  # fmt: skip
                 total = total + acc
                 i += PROMOTE
             off_m = t * (2 * _HALF) + ROW0
@@ -426,6 +425,12 @@ def _smem_layout(rows: int, block_k: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, block_k], gl_dtype)
 
 
+def _tma_descriptor(t: torch.Tensor, block_rows: int, block_k: int):
+    """A TMA descriptor reading [block_rows, block_k] blocks of the 2-D row-major ``t``."""
+    layout = _smem_layout(block_rows, block_k, t.dtype)
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [block_rows, block_k], layout)
+
+
 #: Registers per thread at launch: Gluon pads the loader warp to a warpgroup, so 384 threads x 168
 #: fill the 64K register file, and a worker partition can use no more. The default partition then
 #: takes up to 256 (``setmaxnreg``; the loader keeps 40): so it, not the second consumer, carries
@@ -478,14 +483,9 @@ def wgmma_ws_launch(
     n_chunks = cdiv(kps, block_k)
     split = cdiv(K, kps)
     part = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=out.device)
-    x_layout = _smem_layout(BLOCK_M, block_k, x.dtype)
-    w_layout = _smem_layout(block_n, block_k, w.dtype)
-    x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [BLOCK_M, block_k], x_layout)
-    w_desc = TensorDescriptor(w, [N, K], [w.stride(0), 1], [block_n, block_k], w_layout)
-    t_desc = w_desc
-    if block_n_tail:
-        t_layout = _smem_layout(block_n_tail, block_k, w.dtype)
-        t_desc = TensorDescriptor(w, [N, K], [w.stride(0), 1], [block_n_tail, block_k], t_layout)
+    x_desc = _tma_descriptor(x, BLOCK_M, block_k)
+    w_desc = _tma_descriptor(w, block_n, block_k)
+    t_desc = _tma_descriptor(w, block_n_tail, block_k) if block_n_tail else w_desc
     grid = (cdiv(N, block_n + block_n_tail), cdiv(M, BLOCK_M), split)
     _wgmma_ws_kernel[grid](
         x_desc, w_desc, t_desc, part, M, N, part.stride(0) if split > 1 else 0, part.stride(-2),
@@ -518,12 +518,8 @@ def _streamk_launch(
     groups = min(max(1, programs // tiles_n), units)
     slots = streamk_slots(units, groups, chains)
     ws = torch.empty((slots, M, N), dtype=torch.float32, device=out.device) if slots > 1 else out
-    x_desc = TensorDescriptor(
-        x, [M, K], [x.stride(0), 1], [BLOCK_M, block_k], _smem_layout(BLOCK_M, block_k, x.dtype)
-    )
-    w_desc = TensorDescriptor(
-        w, [N, K], [w.stride(0), 1], [block_n, block_k], _smem_layout(block_n, block_k, w.dtype)
-    )
+    x_desc = _tma_descriptor(x, BLOCK_M, block_k)
+    w_desc = _tma_descriptor(w, block_n, block_k)
     _wgmma_ws_streamk_kernel[(groups * tiles_n,)](
         x_desc, w_desc, out, ws, M, N, out.stride(0), ws.stride(0) if slots > 1 else 0, ws.stride(-2),
         units, tiles_n, K, promote, stages, WORKER_REGISTERS, num_warps=4, maxnreg=WORKER_REGISTERS,

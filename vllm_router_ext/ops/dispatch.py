@@ -47,6 +47,11 @@ def _device_info(index: int) -> tuple[str, int, int]:
     return props.name, props.multi_processor_count, props.major * 10 + props.minor
 
 
+def _capability(x: torch.Tensor) -> int:
+    """Compute capability x10 of ``x``'s GPU (90 off-GPU: the interpreter, compiled as for Hopper)."""
+    return _device_info(x.device.index or 0)[2] if x.is_cuda else 90
+
+
 def config_for(x: torch.Tensor, weight: torch.Tensor, precision: RouterPrecision, batch_invariant: bool):
     from csrc_triton.configs import select_config
 
@@ -106,7 +111,7 @@ def run_config(
             # stages. Both the same for every M of a mode (its buckets share one BLOCK_K, and the
             # tile cap changes no sum), so batch invariance is kept.
             if capability is None:
-                capability = _device_info(x.device.index or 0)[2] if x.is_cuda else 90
+                capability = _capability(x)
             params["block_k"] = min(params["block_k"], fp32_weight_max_block_k(capability))
             if params.get("num_stages", 1) > 1:
                 params.update(
@@ -119,7 +124,7 @@ def run_config(
         from csrc_triton.router_gemm_wgmma_ws import unsupported_reason, wgmma_ws_launch
 
         if capability is None:
-            capability = _device_info(x.device.index or 0)[2] if x.is_cuda else 90
+            capability = _capability(x)
         reason = unsupported_reason(x, weight, capability)
         if reason is None and out.dtype == torch.float32:
             return wgmma_ws_launch(x, weight, out, **params)
@@ -264,8 +269,7 @@ def run_fitting_config(
         except OutOfResources as e:
             smaller = shrink_config(fitted)
             if smaller is None and fitted.kernel == "wgmma_ws":  # the Triton kernels' same sums
-                cap = _device_info(x.device.index or 0)[2] if x.is_cuda else 90
-                smaller = _wgmma_ws_fallback(fitted, x, weight, None, cap)
+                smaller = _wgmma_ws_fallback(fitted, x, weight, None, _capability(x))
             if smaller is None:
                 raise
             logger.warning(
