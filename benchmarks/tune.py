@@ -408,9 +408,10 @@ TARGETED_GEMV = {  # M -> (block_m, block_n, num_warps)
 TARGETED_FP32_MID = [(64, 64, 1024, 4), (64, 64, 2048, 4), (128, 128, 3584, 8)]
 #: The fp32 mode's warp-specialised wgmma kernel (Hopper): from this M, K split into these many
 #: parts (as long as the 128-row tiles times the splits stay within two per SM), 6 TMA stages
-#: (the probe's winner at every M: benchmarks/probe_pingpong.py).
-WGMMA_WS_TUNE_FROM = 512
-WGMMA_WS_SPLITS = (1, 2, 3, 4, 6, 8)
+#: (the probe's winner at every M: benchmarks/probe_pingpong.py; 5 for 192-wide tiles). Below
+#: 512 tokens only a few tiles exist, so the K splits go up to 28 (chains of 256: 7168 / 256).
+WGMMA_WS_TUNE_FROM = 128
+WGMMA_WS_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 22, 28)
 
 
 def wgmma_ws_candidates(m: int, k: int, n: int) -> list[KernelConfig]:
@@ -420,17 +421,21 @@ def wgmma_ws_candidates(m: int, k: int, n: int) -> list[KernelConfig]:
         return []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
-    widths = [(128, 0)] + ([(64, 0)] if n % 128 else [])
-    # tiles of 128 + a tail where that width divides N (160 = 128 + 32)
-    widths += [(128, t) for t in (16, 32) if n > 128 and n % (128 + t) == 0]
-    for block_n, tail in widths:
+    # (block_n, tail, consumer partitions)
+    widths = [(128, 0, 2), (128, 0, 1)] + ([(64, 0, 2)] if n % 128 else [])
+    # tiles of 128 + a tail where that width divides N (160 = 128 + 32; 384 = 2 x (128 + 64))
+    widths += [(128, t, 2) for t in (16, 32) if n > 128 and n % (128 + t) == 0]
+    widths += [(128, 64, 1), (128, 64, 2)] if n > 128 and n % 192 == 0 else []
+    for block_n, tail, consumers in widths:
         tiles = wgmma_ws_tiles(m, n, block_n, tail)
         for splits in WGMMA_WS_SPLITS:
             per_split = wgmma_ws_k_per_split(k, splits)
+            splits = -(-k // per_split)  # whole chains per split: fewer parts than asked, maybe
             if tiles * splits <= 2 * sms and per_split < k or splits == 1:
-                out.append(wgmma_ws_config(block_n, 0 if splits == 1 else per_split, block_n_tail=tail))
+                kps = 0 if splits == 1 else per_split
+                out.append(wgmma_ws_config(block_n, kps, block_n_tail=tail, consumers=consumers))
     # stream-K: one program per SM, the tiles' chains shared evenly (no wave of idle SMs)
-    out += [wgmma_ws_config(block_n, 0, stream_k=sms) for block_n, tail in widths if not tail]
+    out += [wgmma_ws_config(block_n, 0, stream_k=sms) for block_n, tail, c in widths if not tail and c == 2]
     return list(dict.fromkeys(out))
 
 

@@ -25,6 +25,7 @@ PARAM_KEYS = (
     "block_m",
     "block_n",
     "block_n_tail",
+    "consumers",
     "stream_k",
     "block_k",
     "k_per_split",
@@ -53,6 +54,7 @@ class KernelConfig:
             keys = (
                 "block_n",
                 "block_n_tail",
+                "consumers",
                 "block_k",
                 "k_per_split",
                 "stream_k",
@@ -162,6 +164,12 @@ BI_SPLITS_IN_PROGRAM_FROM = 256
 WGMMA_WS_FROM_M = 1024
 WGMMA_WS_BLOCK_M = 128
 WGMMA_WS_MAX_SPLITS = 8
+#: From this M, N a multiple of 192 above 256 (Kimi-K2's 384 experts) takes 192-wide tiles (128 +
+#: a 64-column tail, each consumer partition carrying its own 64 rows of it): a third less
+#: activation traffic from L2 per logit than 128-wide tiles. On the H200 they measured 0.91-0.98x
+#: the 128-wide tiles' time at 2048-16384 tokens and lost at 1024
+#: (benchmarks/results/tune-h200-aee945e-192-wide.log).
+WGMMA_WS_192_FROM_M = 2048
 
 
 #: Shared memory one program may use on Hopper (227 KB), less what the kernel keeps beside its ring.
@@ -183,11 +191,13 @@ def wgmma_ws_config(
     num_stages: int | None = None,
     block_n_tail: int = 0,
     stream_k: int = 0,
+    consumers: int = 2,
 ) -> KernelConfig:
     """A ``wgmma_ws`` config: fp32-mode chains of 256 along K (4 chunks of 64, 2 of 128). Tiles are
     128 rows by block_n + block_n_tail columns (the tail on a second accumulator; 0 = none).
-    ``stream_k``: that many programs share all tiles' chains evenly (0 = one program per tile
-    and K split)."""
+    ``consumers``: two 4-warp consumer partitions, or one of 8 warps (room for a 64-column
+    tail). ``stream_k``: that many programs share all tiles' chains evenly (0 = one program per
+    tile and K split)."""
     params = dict(
         block_n=block_n,
         block_k=block_k,
@@ -197,6 +207,8 @@ def wgmma_ws_config(
     )
     if block_n_tail:  # absent otherwise: the tables written before these existed stay valid
         params["block_n_tail"] = block_n_tail
+    if consumers != 2:
+        params["consumers"] = consumers
     if stream_k:
         params["stream_k"] = stream_k
     return KernelConfig("wgmma_ws", params)
@@ -268,6 +280,8 @@ def heuristic_config(
         if wgmma_ws:
             block_n = 128 if n > 64 else 64
             tail = wgmma_ws_tail(n, block_n)
+            if tail == 0 and n > 256 and n % 192 == 0 and m >= WGMMA_WS_192_FROM_M:
+                tail = 64  # 192-wide tiles, the tail split between the two consumers
             split = wgmma_ws_split(m, k, n, block_n, sm_count, tail)
             return wgmma_ws_config(block_n, split, block_n_tail=tail)
     if not batch_invariant and m <= 4:

@@ -67,30 +67,35 @@ if GLUON:
         N_CHUNKS: gl.constexpr
         STAGES: gl.constexpr
         TAIL: gl.constexpr
+        SPLIT_TAIL: gl.constexpr
 
         @triton.constexpr_function
-        def __init__(self, K, PROMOTE, N_CHUNKS, STAGES, TAIL):
+        def __init__(self, K, PROMOTE, N_CHUNKS, STAGES, TAIL, SPLIT_TAIL):
             self.K = gl.constexpr(K)
             self.PROMOTE = gl.constexpr(PROMOTE)
             self.N_CHUNKS = gl.constexpr(N_CHUNKS)
             self.STAGES = gl.constexpr(STAGES)
             self.TAIL = gl.constexpr(TAIL)
+            self.SPLIT_TAIL = gl.constexpr(SPLIT_TAIL)
 
     @gluon.jit
     def _chain(a_bufs, b_bufs, t_bufs, ready, empty, i0, acc, acc_t, ROW0: gl.constexpr,
-               LEN: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr):  # fmt: skip
-        """One MMA chain from zero over chunks i0 .. i0+LEN-1 (one chunk's wgmmas in flight; with
-        a tail, also all 128 rows by the TAIL last columns); each ring stage is released once the
-        wgmmas that read it have retired. ``acc_t`` is unused without a tail."""
+               ROWS: gl.constexpr, LEN: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr,
+               TAIL_ROWS: gl.constexpr):  # fmt: skip
+        """One MMA chain from zero over chunks i0 .. i0+LEN-1 for rows ROW0 .. ROW0+ROWS-1 (one
+        chunk's wgmmas in flight; with a tail, also its TAIL last columns, for all 128 rows or
+        for the same rows: TAIL_ROWS); each ring stage is released once the wgmmas that read it
+        have retired. ``acc_t`` is unused without a tail."""
         for j in gl.static_range(LEN):
             i = i0 + j
             s = i % STAGES
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            a = a_bufs.index(s).slice(ROW0, _HALF, dim=0)
+            a = a_bufs.index(s).slice(ROW0, ROWS, dim=0)
             acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc, use_acc=j > 0, is_async=True)
             if TAIL > 0:
                 b_t = t_bufs.index(s).permute((1, 0))
-                acc_t = warpgroup_mma(a_bufs.index(s), b_t, acc_t, use_acc=j > 0, is_async=True)
+                a_t = a_bufs.index(s) if TAIL_ROWS == 2 * _HALF else a
+                acc_t = warpgroup_mma(a_t, b_t, acc_t, use_acc=j > 0, is_async=True)
             if j > 0:
                 if TAIL > 0:
                     acc, acc_t = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_t))
@@ -114,43 +119,47 @@ if GLUON:
 
     @gluon.jit
     def _consumer(a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om, off_m,
-                  off_n, pid_s, ROW0: gl.constexpr, PROMOTE: gl.constexpr, N_CHUNKS: gl.constexpr,
-                  STAGES: gl.constexpr, TAIL: gl.constexpr):  # fmt: skip
-        """Rows ROW0 .. ROW0+63 of the tile's first BN columns, and with TAIL > 0 all 128 rows of
-        its last TAIL columns: chains of PROMOTE chunks (the last one shorter), each added into
-        the fp32 total, which is stored once."""
+                  off_n, pid_s, ROW0: gl.constexpr, ROWS: gl.constexpr, PROMOTE: gl.constexpr,
+                  N_CHUNKS: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr,
+                  TAIL_ROWS: gl.constexpr):  # fmt: skip
+        """Rows ROW0 .. ROW0+ROWS-1 of the tile's first BN columns (one warpgroup per 64 rows),
+        and with TAIL > 0 its last TAIL columns, for all 128 rows or for the same rows
+        (TAIL_ROWS): chains of PROMOTE chunks (the last one shorter), each added into the fp32
+        total, which is stored once."""
         BN: gl.constexpr = b_bufs.shape[1]
+        WARPS: gl.constexpr = ROWS // 16
         mma: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+            version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BN, 16]
         )
         FULL: gl.constexpr = N_CHUNKS // PROMOTE
         REST: gl.constexpr = N_CHUNKS - FULL * PROMOTE
-        acc = gl.zeros((_HALF, BN), gl.float32, mma)
-        total = gl.zeros((_HALF, BN), gl.float32, mma)
-        if TAIL > 0:  # the tile's last TAIL columns, all 128 rows: a second accumulator pair
+        acc = gl.zeros((ROWS, BN), gl.float32, mma)
+        total = gl.zeros((ROWS, BN), gl.float32, mma)
+        if TAIL > 0:  # the tile's last TAIL columns: a second accumulator pair
             mma_t: gl.constexpr = gl.NVMMADistributedLayout(
-                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TAIL, 16]
+                version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, TAIL, 16]
             )
-            acc_t = gl.zeros((2 * _HALF, TAIL), gl.float32, mma_t)
-            total_t = gl.zeros((2 * _HALF, TAIL), gl.float32, mma_t)
+            acc_t = gl.zeros((TAIL_ROWS, TAIL), gl.float32, mma_t)
+            total_t = gl.zeros((TAIL_ROWS, TAIL), gl.float32, mma_t)
         else:
             acc_t = acc
             total_t = total
         for c in range(FULL):
             acc, acc_t = _chain(a_bufs, b_bufs, t_bufs, ready, empty, c * PROMOTE, acc, acc_t, ROW0,
-                                PROMOTE, STAGES, TAIL)  # fmt: skip
+                                ROWS, PROMOTE, STAGES, TAIL, TAIL_ROWS)  # fmt: skip
             total = total + acc
             if TAIL > 0:
                 total_t = total_t + acc_t
         if REST > 0:
             acc, acc_t = _chain(a_bufs, b_bufs, t_bufs, ready, empty, FULL * PROMOTE, acc, acc_t,
-                                ROW0, REST, STAGES, TAIL)  # fmt: skip
+                                ROW0, ROWS, REST, STAGES, TAIL, TAIL_ROWS)  # fmt: skip
             total = total + acc
             if TAIL > 0:
                 total_t = total_t + acc_t
         _store(out_ptr, total, M, N, stride_os, stride_om, off_m + ROW0, off_n, pid_s, mma)
         if TAIL > 0:
-            _store(out_ptr, total_t, M, N, stride_os, stride_om, off_m, off_n + BN, pid_s, mma_t)
+            tail_m = off_m if TAIL_ROWS == 2 * _HALF else off_m + ROW0
+            _store(out_ptr, total_t, M, N, stride_os, stride_om, tail_m, off_n + BN, pid_s, mma_t)
 
     @gluon.jit
     def _loader(x_desc, w_desc, t_desc, a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N,
@@ -179,12 +188,14 @@ if GLUON:
     def _second_consumer(x_desc, w_desc, t_desc, a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M,
                          N, stride_os, stride_om, off_m, off_n, pid_s, k_begin, k_end, plan):  # fmt: skip
         _consumer(a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om, off_m,
-                  off_n, pid_s, _HALF, plan.PROMOTE, plan.N_CHUNKS, plan.STAGES, 0)  # fmt: skip
+                  off_n, pid_s, _HALF, _HALF, plan.PROMOTE, plan.N_CHUNKS, plan.STAGES,
+                  plan.TAIL if plan.SPLIT_TAIL else 0, _HALF)  # fmt: skip
 
     @gluon.jit
     def _wgmma_ws_kernel(x_desc, w_desc, t_desc, out_ptr, M, N, stride_os, stride_om, K: gl.constexpr,
                          K_PER_SPLIT: gl.constexpr, PROMOTE: gl.constexpr, STAGES: gl.constexpr,
-                         TAIL: gl.constexpr, REGS: gl.constexpr):  # fmt: skip
+                         TAIL: gl.constexpr, REGS: gl.constexpr, ONE_CONSUMER: gl.constexpr,
+                         SPLIT_TAIL: gl.constexpr):  # fmt: skip
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -207,24 +218,37 @@ if GLUON:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES):
             mbarrier.init(ready.index(st), count=1)
-            mbarrier.init(empty.index(st), count=2)  # both consumers release a stage
+            mbarrier.init(empty.index(st), count=1 if ONE_CONSUMER else 2)  # each consumer releases
 
         worker_args = (x_desc, w_desc, t_desc, a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N,
                        stride_os, stride_om, off_m, off_n, pid_s, k_begin, k_end,
-                       _Plan(K, PROMOTE, N_CHUNKS, STAGES, TAIL))  # fmt: skip
+                       _Plan(K, PROMOTE, N_CHUNKS, STAGES, TAIL, SPLIT_TAIL))  # fmt: skip
         # fmt: off
         # The default partition's constexpr arguments are written in place: gathered in a tuple
         # variable first, they would arrive as runtime integers.
-        gl.warp_specialize(
-            [
-                (_consumer, (a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os,
-                            stride_om, off_m, off_n, pid_s, 0, PROMOTE, N_CHUNKS, STAGES, TAIL)),
-                (_second_consumer, worker_args),
-                (_loader, worker_args),
-            ],
-            [4, 1],
-            [REGS, 40],
-        )
+        if ONE_CONSUMER:  # 8 warps, all 128 rows: up to 232 registers each (a 64-column tail)
+            gl.warp_specialize(
+                [
+                    (_consumer, (a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os,
+                                stride_om, off_m, off_n, pid_s, 0, BM, PROMOTE, N_CHUNKS, STAGES,
+                                TAIL, BM)),
+                    (_loader, worker_args),
+                ],
+                [1],
+                [40],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_consumer, (a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os,
+                                stride_om, off_m, off_n, pid_s, 0, _HALF, PROMOTE, N_CHUNKS, STAGES,
+                                TAIL, _HALF if SPLIT_TAIL else BM)),
+                    (_second_consumer, worker_args),
+                    (_loader, worker_args),
+                ],
+                [4, 1],
+                [REGS, 24 if SPLIT_TAIL else 40],  # 128 x (256 + 232 + 24): the whole file
+            )
         # fmt: on
 
     # Stream-K form: G groups of tiles_n programs (one per SM in all) share the 128-row blocks'
@@ -273,8 +297,8 @@ if GLUON:
             c1 = gl.minimum(u1 - t * CHAINS, CHAINS)
             total = gl.zeros((_HALF, BN), gl.float32, mma)
             for _c in range(c0, c1):
-                acc, _ = _chain(a_bufs, b_bufs, b_bufs, ready, empty, i, acc, acc, ROW0, PROMOTE,
-                                STAGES, 0)  # fmt: skip
+                acc, _ = _chain(a_bufs, b_bufs, b_bufs, ready, empty, i, acc, acc, ROW0, _HALF,
+                                PROMOTE, STAGES, 0, 0)  # fmt: skip
                 total = total + acc
                 i += PROMOTE
             off_m = t * (2 * _HALF) + ROW0
@@ -435,8 +459,17 @@ def _tma_descriptor(t: torch.Tensor, block_rows: int, block_k: int):
 #: fill the 64K register file, and a worker partition can use no more. The default partition then
 #: takes up to 256 (``setmaxnreg``; the loader keeps 40): so it, not the second consumer, carries
 #: a tile's tail columns for all 128 rows (64 x 128 + 128 x 32 columns: 192 accumulator
-#: registers per thread, chain and total).
+#: registers per thread, chain and total). With ``consumers=1`` the default partition is both
+#: consumer warpgroups (8 warps, all 128 rows) and takes the rest of the file, 232 registers a
+#: thread: room for a 64-column tail (128 x 192 tiles: 192 accumulator registers).
 WORKER_REGISTERS = 168
+
+#: Tail widths each form can hold (columns beyond the 128-wide accumulator).
+TAILS = {2: (0, 16, 32, 64), 1: (0, 16, 32, 64)}
+#: A 64-column tail with two consumer partitions is split between them (each its own 64 rows):
+#: the second consumer then holds 192 accumulator registers, so it is raised to 232 with
+#: ``setmaxnreg`` (the launch stays at 168 a thread; the loader drops to 24).
+SPLIT_TAIL_REGISTERS = 232
 
 
 def wgmma_ws_launch(
@@ -451,13 +484,16 @@ def wgmma_ws_launch(
     k_per_split: int = 0,
     block_n_tail: int = 0,
     stream_k: int = 0,
+    consumers: int = 2,
 ) -> torch.Tensor:
     """Write ``x @ w.T`` (fp32-mode sums) into the fp32 ``out`` [M, N] (unit stride along N).
     ``k_per_split`` 0 or >= K: no split; else fp32 partials [S, M, N] added in split order.
-    ``block_n_tail`` (0, 16 or 32): each tile is block_n + block_n_tail columns wide, the last
-    ones on a second, narrower accumulator (160 = 128 + 32 experts in one tile; tile widths must
-    otherwise be powers of two). ``stream_k`` > 0: that many programs (at most one per SM: the
-    ring fills shared memory) share the tiles' chains evenly instead (no K split, no tail)."""
+    ``block_n_tail`` (0, 16 or 32; 64 with one consumer partition): each tile is block_n +
+    block_n_tail columns wide, the last ones on a second, narrower accumulator (160 = 128 + 32
+    experts in one tile; tile widths must otherwise be powers of two). ``consumers``: 2 consumer
+    partitions of 64 rows each, or 1 of 8 warps for all 128 rows (more registers a thread: 192 =
+    128 + 64 columns). ``stream_k`` > 0: that many programs (at most one per SM: the ring fills
+    shared memory) share the tiles' chains evenly instead (no K split, no tail, two consumers)."""
     from csrc_triton.router_gemm_splitk import reduce_partials
 
     M, K = x.shape
@@ -469,16 +505,24 @@ def wgmma_ws_launch(
             f"promote_chunks={promote_chunks} with block_k={block_k}: chains must be 2..{MAX_CHAIN} "
             "along K in at least two chunks"
         )
-    if block_n_tail not in (0, 16, 32) or block_n_tail >= block_n:
-        raise ValueError(f"block_n_tail={block_n_tail}; allowed: 0, 16, 32 (below block_n={block_n})")
-    if stream_k and (block_n_tail or 0 < k_per_split < K):
+    if consumers not in TAILS:
+        raise ValueError(f"consumers={consumers}; allowed: {', '.join(map(str, TAILS))}")
+    if block_n_tail not in TAILS[consumers] or block_n_tail >= block_n:
+        allowed = ", ".join(map(str, TAILS[consumers]))
         raise ValueError(
-            f"stream_k={stream_k} shares whole tiles' chains: k_per_split and block_n_tail must be 0"
+            f"block_n_tail={block_n_tail} with consumers={consumers}; allowed: {allowed} "
+            f"(below block_n={block_n})"
+        )
+    if stream_k and (block_n_tail or 0 < k_per_split < K or consumers != 2):
+        raise ValueError(
+            f"stream_k={stream_k} shares whole tiles' chains: k_per_split and block_n_tail must be 0, "
+            "consumers 2"
         )
     if M == 0:
         return out
     if stream_k:
         return _streamk_launch(x, w, out, block_n, block_k, promote_chunks, num_stages, stream_k)
+    split_tail = consumers == 2 and block_n_tail > 32
     kps = k_per_split if 0 < k_per_split < K else K
     n_chunks = cdiv(kps, block_k)
     split = cdiv(K, kps)
@@ -489,8 +533,9 @@ def wgmma_ws_launch(
     grid = (cdiv(N, block_n + block_n_tail), cdiv(M, BLOCK_M), split)
     _wgmma_ws_kernel[grid](
         x_desc, w_desc, t_desc, part, M, N, part.stride(0) if split > 1 else 0, part.stride(-2),
-        K, n_chunks * block_k, promote_chunks, num_stages, block_n_tail, WORKER_REGISTERS,
-        num_warps=4, maxnreg=WORKER_REGISTERS,
+        K, n_chunks * block_k, promote_chunks, num_stages, block_n_tail,
+        SPLIT_TAIL_REGISTERS if split_tail else WORKER_REGISTERS, consumers == 1, split_tail,
+        num_warps=8 if consumers == 1 else 4, maxnreg=WORKER_REGISTERS,
     )  # fmt: skip
     if split > 1:
         reduce_partials(part, out)

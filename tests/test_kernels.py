@@ -491,11 +491,17 @@ def test_wgmma_ws_tiles_cover_160_experts_with_a_tail():
     assert cfg.params["block_n"] == 128 and cfg.params["block_n_tail"] == 32
     assert "block_n_tail=32" in cfg.describe()
     assert "block_n_tail" not in heuristic_config(8192, 7168, 256, "fp32", False, 132, wgmma_ws=True).params
+    # Kimi-K2's 384 experts: 192-wide tiles (the 64-column tail split between the consumers) from
+    # 2048 tokens, 128-wide below; five stages of 320 rows fit in shared memory, six do not
+    kimi = heuristic_config(2048, 7168, 384, "fp32", False, 132, wgmma_ws=True)
+    assert kimi.params["block_n_tail"] == 64 and kimi.params["num_stages"] == 5
+    assert wgmma_ws_tiles(2048, 384, 128, 64) == 32 and kimi.params["k_per_split"] == 1792
+    assert "block_n_tail" not in heuristic_config(1024, 7168, 384, "fp32", False, 132, wgmma_ws=True).params
     assert wgmma_ws_tiles(8192, 160, 128, 32) == 64 and wgmma_ws_tiles(8192, 160, 128) == 128
     assert wgmma_ws_split(8192, 5120, 160, 128, 132, 32) == 2560  # 64 tiles x 2 splits
     assert [wgmma_ws_stages(128, 64, t) for t in (0, 32)] == [6, 6]
     assert wgmma_ws_stages(128, 128, 32) == 3
-    for tail in (0, 16, 32):
+    for tail in (0, 16, 32, 64):
         assert wgmma_ws_stages(128, 64, tail) * (256 + tail) * 64 * 2 <= WGMMA_WS_SMEM_BYTES
 
 
@@ -564,6 +570,7 @@ def test_wgmma_ws_config_falls_back_to_triton_where_it_cannot_run(gen, caplog):
 
 
 def test_wgmma_ws_requirements_name_the_problem(monkeypatch):
+    from csrc_triton.configs import wgmma_ws_config
     from csrc_triton.router_gemm_wgmma_ws import GLUON, unsupported_reason, wgmma_ws_launch
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -586,8 +593,16 @@ def test_wgmma_ws_requirements_name_the_problem(monkeypatch):
         wgmma_ws_launch(
             x, w, out, block_n=128, block_k=64, promote_chunks=4, num_stages=6, k_per_split=1024, stream_k=132
         )
-    with pytest.raises(ValueError, match="block_n_tail=64; allowed: 0, 16, 32"):
-        wgmma_ws_launch(x, w, out, block_n=128, block_k=64, promote_chunks=4, num_stages=6, block_n_tail=64)
+    with pytest.raises(ValueError, match="block_n_tail=128 with consumers=2; allowed: 0, 16, 32, 64"):
+        wgmma_ws_launch(x, w, out, block_n=128, block_k=64, promote_chunks=4, num_stages=6, block_n_tail=128)
+    with pytest.raises(ValueError, match="consumers=3; allowed: 2, 1"):
+        wgmma_ws_launch(x, w, out, block_n=128, block_k=64, promote_chunks=4, num_stages=6, consumers=3)
+    with pytest.raises(ValueError, match="stream_k=132 shares whole tiles' chains"):
+        wgmma_ws_launch(
+            x, w, out, block_n=128, block_k=64, promote_chunks=4, num_stages=6, stream_k=132, consumers=1
+        )
+    assert "consumers=1" in wgmma_ws_config(128, 0, consumers=1).describe()
+    assert "consumers" not in wgmma_ws_config(128, 0).params  # tables without the key stay valid
 
 
 def test_tuned_table_lookup(monkeypatch):

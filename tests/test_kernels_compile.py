@@ -73,20 +73,24 @@ def test_every_dispatched_kernel_compiles(compile_runs, arch, name, sms):
 
 def test_wgmma_ws_forms_compile_for_sm90_without_spills():
     """Every form of the Gluon kernel, whether or not the table selects it today: plain, K split,
-    a 32-column tail (the default partition's second accumulator), stream-K with its fixup. The
-    sm_90 compile (in a subprocess, like the dispatch compile: no TRITON_INTERPRET) must not spill."""
+    a 32-column tail (the default partition's second accumulator), stream-K with its fixup, a
+    64-column tail split between the consumers (the second one raised to 232 registers), one
+    8-warp consumer partition with and without a 64-column tail. The sm_90 compile (in a
+    subprocess, like the dispatch compile: no TRITON_INTERPRET) must not spill."""
     script = """
 import json, torch
 from vllm_router_ext.testing.aot import _captured_launches, _compile, _resources
+from csrc_triton.configs import wgmma_ws_stages
 from csrc_triton.router_gemm_wgmma_ws import GLUON, wgmma_ws_launch
 out = []
-forms = [dict(), dict(k_per_split=1792), dict(block_n_tail=32), dict(stream_k=132)]
+forms = [dict(), dict(k_per_split=1792), dict(block_n_tail=32), dict(stream_k=132), dict(block_n_tail=64),
+         dict(consumers=1), dict(consumers=1, block_n_tail=64)]
 for form in forms if GLUON else []:
-    n = 160 if form.get("block_n_tail") else 384
+    n = 160 if form.get("block_n_tail") == 32 else 384
     x, w = torch.zeros(8192, 7168, dtype=torch.bfloat16), torch.zeros(n, 7168, dtype=torch.bfloat16)
     with _captured_launches() as launches:
         wgmma_ws_launch(x, w, torch.empty(8192, n), block_n=128, block_k=64, promote_chunks=4,
-                        num_stages=6, **form)
+                        num_stages=wgmma_ws_stages(128, 64, form.get("block_n_tail", 0)), **form)
     for fn, args, kwargs in launches:
         out.append([str(form), fn.__name__, *_resources(_compile(fn, args, kwargs, 90))])
 print(json.dumps(out))

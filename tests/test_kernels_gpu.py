@@ -130,6 +130,32 @@ def test_wgmma_ws_tail_tiles_poisoned_accurate_and_equal_to_plain_tiles(shape, k
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("k_per_split", [0, 1792, 1024], ids=lambda v: f"kps{v}")
+@pytest.mark.parametrize("consumers,tail", [(1, 0), (1, 32), (1, 64), (2, 64)], ids=lambda v: str(v))
+def test_wgmma_ws_192_wide_and_one_partition_tiles_equal_to_plain_tiles(shape, k_per_split, consumers, tail):
+    """``consumers=1``: both consumer warpgroups in one 8-warp partition (all 128 rows; room for a
+    64-column tail). ``consumers=2`` with a 64-column tail: each consumer partition carries the
+    tail for its own 64 rows (the second one raised to 232 registers). Every logit written,
+    fp32-mode accuracy, and bitwise the two-partition, 128-wide tiles' logits (the same chains
+    and adds per element; a stage released before every wgmma reading it retired, or a wrong tail
+    offset, would differ)."""
+    from csrc_triton.configs import wgmma_ws_config
+
+    if not _hopper():
+        pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
+    cfg = wgmma_ws_config(128, k_per_split, block_n_tail=tail, consumers=consumers)
+    plain = wgmma_ws_config(128, k_per_split)
+    for m in (1, 129, 1000, 4097):
+        x, w = _xw(m, shape, row_stride=shape.k + 64)
+        out = torch.full((m, shape.n), float("nan"), device="cuda")
+        run_config(cfg, x, w, out, dot_mode_for(x.dtype, w.dtype))
+        assert not out.isnan().any(), (m, cfg.describe())
+        assert _rel(out, x, w) <= 1e-6, (m, cfg.describe())
+        ref = run_config(plain, x, w, torch.empty_like(out), dot_mode_for(x.dtype, w.dtype))
+        assert torch.equal(out, ref), (m, cfg.describe())
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 @pytest.mark.parametrize("programs", [132, 100, 7])
 def test_wgmma_ws_stream_k_poisoned_and_accurate(shape, programs):
     """Stream-K: the programs share every tile's chains (a program ends one tile, runs whole ones,
@@ -164,16 +190,17 @@ def test_wgmma_ws_falls_back_where_tma_cannot_read_the_rows():
 
 
 @pytest.mark.parametrize(
-    "k_per_split,tail,stream_k",
-    [(0, 0, 0), (1792, 0, 0), (0, 32, 0), (1792, 32, 0), (0, 0, 132)],
+    "k_per_split,tail,stream_k,consumers",
+    [(0, 0, 0, 2), (1792, 0, 0, 2), (0, 32, 0, 2), (1792, 32, 0, 2), (0, 0, 132, 2), (0, 64, 0, 1),
+     (1792, 64, 0, 1), (0, 64, 0, 2), (1792, 64, 0, 2)],
     ids=lambda v: str(v),
-)
-def test_wgmma_ws_graph_replay_equals_eager(k_per_split, tail, stream_k):
+)  # fmt: skip
+def test_wgmma_ws_graph_replay_equals_eager(k_per_split, tail, stream_k, consumers):
     from csrc_triton.configs import wgmma_ws_config
 
     if not _hopper():
         pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
-    cfg = wgmma_ws_config(128, k_per_split, block_n_tail=tail, stream_k=stream_k)
+    cfg = wgmma_ws_config(128, k_per_split, block_n_tail=tail, stream_k=stream_k, consumers=consumers)
     x, w = _xw(2000, SHAPES[1])
     eager = run_config(cfg, x, w, torch.empty(2000, w.shape[0], device="cuda"), 0)
     out = torch.full_like(eager, float("nan"))
