@@ -15,10 +15,13 @@ drains and adds, the other's wgmmas keep the tensor cores busy, and the loads ne
 either. Measured on the H200 (``benchmarks/probe_pingpong.py``): 0.73-0.77x the Triton fp32
 kernel's time at 8192-16384 tokens, 1.01-1.24x cuBLAS's bf16 GEMM.
 
-Two more forms, with the same chains and adds per logit: a tile of 128 + a 16/32-column tail
-(160 experts in one tile; the tail is carried by the default partition, the only one that may
-hold more than the launch's 168 registers), and stream-K (groups of programs share the row
-blocks' chains evenly; shared tiles' partials are added in K order by a fixup kernel).
+More forms, with the same chains and adds per logit: a tile of 128 + a 16/32-column tail (160
+experts in one tile; the tail is carried by the default partition, which grows to 256 registers
+with ``setmaxnreg``); 128 + a 64-column tail (192-wide tiles: each consumer carries the tail for
+its own 64 rows, the second one raised to 232 registers, the loader lowered to 24); one 8-warp
+consumer partition (``consumers=1``: both warpgroups in the default partition); and stream-K
+(groups of programs share the row blocks' chains evenly; shared tiles' partials are added in K
+order by a fixup kernel).
 
 Gluon kernels compile for the GPU only (no ``TRITON_INTERPRET=1``): CPU CI compiles them for
 sm_90 (``python -m vllm_router_ext.testing.aot``); the GPU tests check their numbers.
@@ -226,7 +229,7 @@ if GLUON:
         # fmt: off
         # The default partition's constexpr arguments are written in place: gathered in a tuple
         # variable first, they would arrive as runtime integers.
-        if ONE_CONSUMER:  # 8 warps, all 128 rows: up to 232 registers each (a 64-column tail)
+        if ONE_CONSUMER:  # 8 warps, all 128 rows: up to 240 registers each (a 64-column tail)
             gl.warp_specialize(
                 [
                     (_consumer, (a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os,
@@ -460,7 +463,7 @@ def _tma_descriptor(t: torch.Tensor, block_rows: int, block_k: int):
 #: takes up to 256 (``setmaxnreg``; the loader keeps 40): so it, not the second consumer, carries
 #: a tile's tail columns for all 128 rows (64 x 128 + 128 x 32 columns: 192 accumulator
 #: registers per thread, chain and total). With ``consumers=1`` the default partition is both
-#: consumer warpgroups (8 warps, all 128 rows) and takes the rest of the file, 232 registers a
+#: consumer warpgroups (8 warps, all 128 rows) and takes the rest of the file, 240 registers a
 #: thread: room for a 64-column tail (128 x 192 tiles: 192 accumulator registers).
 WORKER_REGISTERS = 168
 
