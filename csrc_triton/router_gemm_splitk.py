@@ -299,18 +299,22 @@ def _splitk_reduce_kernel(
     stride_om,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):  # fixed order: split 0, 1, ..., S-1
         acc += tl.load(part_ptr + s * stride_ps + offs, mask=mask, other=0.0)
-    m = offs // N
-    n = offs % N
-    tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if CONTIGUOUS:  # out rows back to back (stride N): the partials' flat offsets, 16-byte stores
+        dst = out_ptr + offs
+    else:
+        dst = out_ptr + (offs // N).to(tl.int64) * stride_om + offs % N
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_REDUCE_BLOCK = 1024
+_REDUCE_BLOCK = 1024  # logits per program of the split sum, and its warps
+_REDUCE_WARPS = 4
 _TICKETS: dict[tuple[int, int], torch.Tensor] = {}
 _FIXED_WORDS: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -435,8 +439,9 @@ def reduce_partials(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The two-launch form's second kernel: ``out = part[0] + part[1] + ... + part[S-1]``."""
     split_k, M, N = part.shape
     _splitk_reduce_kernel[(cdiv(M * N, _REDUCE_BLOCK),)](
-        part, out, M, N, part.stride(0), out.stride(0), SPLIT_K=split_k, BLOCK=_REDUCE_BLOCK, num_warps=4
-    )
+        part, out, M, N, part.stride(0), out.stride(0), SPLIT_K=split_k, BLOCK=_REDUCE_BLOCK,
+        CONTIGUOUS=out.stride(0) == N, num_warps=_REDUCE_WARPS,
+    )  # fmt: skip
     return out
 
 
