@@ -7,7 +7,8 @@ Variants of ``_splitk_reduce_kernel``: logits per program (BLOCK), warps, and wh
 destination is addressed flat (``CONTIGUOUS``: 16-byte stores) or by row and column (an integer
 division per logit). Shapes are the H200 table's K-split ``wgmma_ws`` buckets (S partials of
 [M, N]). Each variant's output must equal the current kernel's bitwise (same order of adds).
-Then the whole ``fp32`` op at those M with the current and the best variant. Times are CUDA-graph
+Then the whole op (``fp32`` and ``bf16-fp32out``) at those M with 1024-logit programs for every
+split count ("current": the sum as it was at ``ac3687d``) and with the best variant. Times are CUDA-graph
 medians over rotated copies (not L2-resident), cuBLAS's bf16 GEMM in the same run.
 """
 
@@ -82,10 +83,11 @@ def main() -> int:
         row = {"shape": name, "m": m}
         row["cublas"] = time_rotated(lambda x, w: torch.mm(x, w.T, out_dtype=torch.float32), xs, ws)
         for label, (block, warps) in (("current", (1024, 4)), ("best", best[:2])):
-            sk._REDUCE_BLOCK, sk._REDUCE_WARPS = block, warps
+            saved = sk._REDUCE_BLOCK, sk._REDUCE_BLOCK_MANY, sk._REDUCE_WARPS
+            sk._REDUCE_BLOCK, sk._REDUCE_BLOCK_MANY, sk._REDUCE_WARPS = block, block, warps
             for mode in ("fp32", "bf16-fp32out"):
                 row[f"{mode} {label}"] = time_rotated(lambda x, w, mode=mode: router_gemm(x, w, mode), xs, ws)
-        sk._REDUCE_BLOCK, sk._REDUCE_WARPS = 1024, 4
+            sk._REDUCE_BLOCK, sk._REDUCE_BLOCK_MANY, sk._REDUCE_WARPS = saved
         ops.append(row)
         print(json.dumps(row), flush=True)
     out = Path(args.out)

@@ -313,7 +313,13 @@ def _splitk_reduce_kernel(
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_REDUCE_BLOCK = 1024  # logits per program of the split sum, and its warps
+#: Logits per program of the split sum, and its warps. With 6 or more partials, programs of 512
+#: (twice as many programs: more loads in flight) measured faster on the H200
+#: (``benchmarks/probe_split_sum.py``: 14 partials of Kimi-K2 at 256 tokens 7.9 -> 5.2 µs alone,
+#: the fp32 op 11.3 -> 10.4 µs); with fewer, 512 and 1024 timed the same.
+_REDUCE_BLOCK = 1024
+_REDUCE_BLOCK_MANY = 512
+_REDUCE_MANY_FROM = 6
 _REDUCE_WARPS = 4
 _TICKETS: dict[tuple[int, int], torch.Tensor] = {}
 _FIXED_WORDS: dict[tuple[int, int], torch.Tensor] = {}
@@ -438,8 +444,9 @@ def splitk_launch(
 def reduce_partials(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The two-launch form's second kernel: ``out = part[0] + part[1] + ... + part[S-1]``."""
     split_k, M, N = part.shape
-    _splitk_reduce_kernel[(cdiv(M * N, _REDUCE_BLOCK),)](
-        part, out, M, N, part.stride(0), out.stride(0), SPLIT_K=split_k, BLOCK=_REDUCE_BLOCK,
+    block = _REDUCE_BLOCK_MANY if split_k >= _REDUCE_MANY_FROM else _REDUCE_BLOCK
+    _splitk_reduce_kernel[(cdiv(M * N, block),)](
+        part, out, M, N, part.stride(0), out.stride(0), SPLIT_K=split_k, BLOCK=block,
         CONTIGUOUS=out.stride(0) == N, num_warps=_REDUCE_WARPS,
     )  # fmt: skip
     return out

@@ -663,3 +663,24 @@ def test_startup_description_of_the_cuda_dispatch(monkeypatch):
     assert "splits summed in one program from M=257 " in text and "heuristic" in text
     text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, False, torch.bfloat16, 1000, 10)
     assert "heuristic configs" in text
+
+
+@pytest.mark.parametrize("splits", [2, 7, 14])
+@pytest.mark.parametrize("contiguous", [True, False], ids=["flat", "strided-out"])
+def test_split_order_sum_adds_partials_in_split_order(splits, contiguous):
+    """The K-split configs' second launch: ``out = ((0 + p0) + p1) + ... + p[S-1]`` in fp32, bitwise
+    (each split count's program size: 1024 logits below 6 partials, 512 from 6), into contiguous
+    logits (flat stores) and into a strided ``out``; a poisoned ``out`` fully written."""
+    from csrc_triton.router_gemm_splitk import reduce_partials
+
+    g = torch.Generator().manual_seed(splits)
+    part = torch.randn(splits, 37, 96, generator=g) * torch.logspace(-3, 3, 96)
+    expected = torch.zeros(37, 96)
+    for s in range(splits):
+        expected = expected + part[s]
+    base = torch.full((37, 96 if contiguous else 128), float("nan"))
+    out = base[:, :96]
+    reduce_partials(part, out)
+    assert torch.equal(out, expected)
+    if not contiguous:
+        assert base[:, 96:].isnan().all()  # nothing written past the logits
