@@ -459,19 +459,20 @@ def _tma_descriptor(t: torch.Tensor, block_rows: int, block_k: int):
 
 
 #: Registers per thread at launch: Gluon pads the loader warp to a warpgroup, so 384 threads x 168
-#: fill the 64K register file, and a worker partition can use no more. The default partition then
-#: takes up to 256 (``setmaxnreg``; the loader keeps 40): so it, not the second consumer, carries
-#: a tile's tail columns for all 128 rows (64 x 128 + 128 x 32 columns: 192 accumulator
-#: registers per thread, chain and total). With ``consumers=1`` the default partition is both
-#: consumer warpgroups (8 warps, all 128 rows) and takes the rest of the file, 240 registers a
-#: thread: room for a 64-column tail (128 x 192 tiles: 192 accumulator registers).
+#: fill the 64K register file (a launch cannot reserve more). ``setmaxnreg`` then moves registers
+#: between the partitions, as long as they add up: the default partition takes up to 256 and
+#: the loader 40, so the default one, not the second consumer, carries a 16/32-column tail for
+#: all 128 rows (64 x 128 + 128 x 32 columns: 192 accumulator registers per thread, chain and
+#: total). With ``consumers=1`` the default partition is both consumer warpgroups (8 warps, all
+#: 128 rows) and takes the rest of the file, 240 registers a thread.
 WORKER_REGISTERS = 168
 
-#: Tail widths each form can hold (columns beyond the 128-wide accumulator).
-TAILS = {2: (0, 16, 32, 64), 1: (0, 16, 32, 64)}
+#: Tail widths (columns beyond the 128-wide accumulator) and consumer-partition counts.
+TAILS = (0, 16, 32, 64)
+CONSUMERS = (1, 2)
 #: A 64-column tail with two consumer partitions is split between them (each its own 64 rows):
-#: the second consumer then holds 192 accumulator registers, so it is raised to 232 with
-#: ``setmaxnreg`` (the launch stays at 168 a thread; the loader drops to 24).
+#: the second consumer then holds 192 accumulator registers, so it is raised to 232 and the
+#: loader lowered to 24 (128 x (256 + 232 + 24) = the whole file; the launch stays at 168).
 SPLIT_TAIL_REGISTERS = 232
 
 
@@ -491,12 +492,13 @@ def wgmma_ws_launch(
 ) -> torch.Tensor:
     """Write ``x @ w.T`` (fp32-mode sums) into the fp32 ``out`` [M, N] (unit stride along N).
     ``k_per_split`` 0 or >= K: no split; else fp32 partials [S, M, N] added in split order.
-    ``block_n_tail`` (0, 16 or 32; 64 with one consumer partition): each tile is block_n +
-    block_n_tail columns wide, the last ones on a second, narrower accumulator (160 = 128 + 32
-    experts in one tile; tile widths must otherwise be powers of two). ``consumers``: 2 consumer
-    partitions of 64 rows each, or 1 of 8 warps for all 128 rows (more registers a thread: 192 =
-    128 + 64 columns). ``stream_k`` > 0: that many programs (at most one per SM: the ring fills
-    shared memory) share the tiles' chains evenly instead (no K split, no tail, two consumers)."""
+    ``block_n_tail`` (0, 16, 32 or 64): each tile is block_n + block_n_tail columns wide, the
+    last ones on a second, narrower accumulator (160 = 128 + 32 and 192 = 128 + 64 experts in one
+    tile; tile widths must otherwise be powers of two). ``consumers``: 2 consumer partitions of
+    64 rows each (a 16/32-column tail on the first for all 128 rows, a 64-column one split
+    between them), or 1 of 8 warps for all 128 rows. ``stream_k`` > 0: that many programs (at
+    most one per SM: the ring fills shared memory) share the tiles' chains evenly instead (no K
+    split, no tail, two consumers)."""
     from csrc_triton.router_gemm_splitk import reduce_partials
 
     M, K = x.shape
@@ -508,14 +510,11 @@ def wgmma_ws_launch(
             f"promote_chunks={promote_chunks} with block_k={block_k}: chains must be 2..{MAX_CHAIN} "
             "along K in at least two chunks"
         )
-    if consumers not in TAILS:
-        raise ValueError(f"consumers={consumers}; allowed: {', '.join(map(str, TAILS))}")
-    if block_n_tail not in TAILS[consumers] or block_n_tail >= block_n:
-        allowed = ", ".join(map(str, TAILS[consumers]))
-        raise ValueError(
-            f"block_n_tail={block_n_tail} with consumers={consumers}; allowed: {allowed} "
-            f"(below block_n={block_n})"
-        )
+    if consumers not in CONSUMERS:
+        raise ValueError(f"consumers={consumers}; allowed: {', '.join(map(str, CONSUMERS))}")
+    if block_n_tail not in TAILS or block_n_tail >= block_n:
+        allowed = ", ".join(map(str, TAILS))
+        raise ValueError(f"block_n_tail={block_n_tail}; allowed: {allowed} (below block_n={block_n})")
     if stream_k and (block_n_tail or 0 < k_per_split < K or consumers != 2):
         raise ValueError(
             f"stream_k={stream_k} shares whole tiles' chains: k_per_split and block_n_tail must be 0, "
