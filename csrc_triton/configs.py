@@ -166,8 +166,8 @@ WGMMA_WS_BLOCK_M = 128
 WGMMA_WS_MAX_SPLITS = 8
 #: From this M, N a multiple of 192 above 256 (Kimi-K2's 384 experts) takes 192-wide tiles (128 +
 #: a 64-column tail, each consumer partition carrying its own 64 rows of it): a third less
-#: activation traffic from L2 per logit than 128-wide tiles. On the H200 they measured 0.91-0.98x
-#: the 128-wide tiles' time at 2048-16384 tokens and lost at 1024
+#: activation traffic from L2 per logit than 128-wide tiles. On the H200 they measured 0.87-0.98x
+#: the best 128-wide form's time at 2048-16384 tokens and lost at 1024
 #: (benchmarks/results/tune-h200-aee945e-192-wide.log).
 WGMMA_WS_192_FROM_M = 2048
 
@@ -195,8 +195,8 @@ def wgmma_ws_config(
 ) -> KernelConfig:
     """A ``wgmma_ws`` config: fp32-mode chains of 256 along K (4 chunks of 64, 2 of 128). Tiles are
     128 rows by block_n + block_n_tail columns (the tail on a second accumulator; 0 = none).
-    ``consumers``: two 4-warp consumer partitions, or one of 8 warps (room for a 64-column
-    tail). ``stream_k``: that many programs share all tiles' chains evenly (0 = one program per
+    ``consumers``: two 4-warp consumer partitions (the default), or one of 8 warps.
+    ``stream_k``: that many programs share all tiles' chains evenly (0 = one program per
     tile and K split)."""
     params = dict(
         block_n=block_n,
