@@ -105,40 +105,24 @@ def test_wgmma_ws_kernel_poisoned_and_accurate(shape, k_per_split, block_n):
         assert _rel(out, x, w) <= 1e-6, (m, cfg.describe())
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-@pytest.mark.parametrize("k_per_split", [0, 1792], ids=lambda v: f"kps{v}")
-@pytest.mark.parametrize("tail", [16, 32])
-def test_wgmma_ws_tail_tiles_poisoned_accurate_and_equal_to_plain_tiles(shape, k_per_split, tail):
-    """Tiles of 128 + tail columns (the tail on a second accumulator of the first consumer
-    warpgroup, all 128 rows, its own TMA block): every
-    logit written, fp32-mode accuracy, and bitwise the logits of 128-wide tiles (per element the
-    same chains and adds; a wrong column offset or a stage released early would differ)."""
-    from csrc_triton.configs import wgmma_ws_config
-
-    if not _hopper():
-        pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
-    cfg = wgmma_ws_config(128, k_per_split, block_n_tail=tail)
-    plain = wgmma_ws_config(128, k_per_split)
-    for m in (1, 129, 1000, 4097):
-        x, w = _xw(m, shape, row_stride=shape.k + 64)
-        out = torch.full((m, shape.n), float("nan"), device="cuda")
-        run_config(cfg, x, w, out, dot_mode_for(x.dtype, w.dtype))
-        assert not out.isnan().any(), (m, cfg.describe())
-        assert _rel(out, x, w) <= 1e-6, (m, cfg.describe())
-        ref = run_config(plain, x, w, torch.empty_like(out), dot_mode_for(x.dtype, w.dtype))
-        assert torch.equal(out, ref), (m, cfg.describe())
+#: (consumer partitions, tail columns, K per split) of the wider and one-partition tile forms:
+#: 16/32-column tails on the first consumer for all 128 rows (session 9), a 64-column tail split
+#: between the two consumers, and one 8-warp consumer partition with 0-64-column tails
+WGMMA_WS_FORMS = [(2, tail, kps) for tail in (16, 32) for kps in (0, 1792)] + [
+    (consumers, tail, kps)
+    for consumers, tail in ((1, 0), (1, 32), (1, 64), (2, 64))
+    for kps in WGMMA_WS_SPLITS
+]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-@pytest.mark.parametrize("k_per_split", [0, 1792, 1024], ids=lambda v: f"kps{v}")
-@pytest.mark.parametrize("consumers,tail", [(1, 0), (1, 32), (1, 64), (2, 64)], ids=lambda v: str(v))
-def test_wgmma_ws_192_wide_and_one_partition_tiles_equal_to_plain_tiles(shape, k_per_split, consumers, tail):
-    """``consumers=1``: both consumer warpgroups in one 8-warp partition (all 128 rows; room for a
-    64-column tail). ``consumers=2`` with a 64-column tail: each consumer partition carries the
-    tail for its own 64 rows (the second one raised to 232 registers). Every logit written,
-    fp32-mode accuracy, and bitwise the two-partition, 128-wide tiles' logits (the same chains
-    and adds per element; a stage released before every wgmma reading it retired, or a wrong tail
-    offset, would differ)."""
+@pytest.mark.parametrize("consumers,tail,k_per_split", WGMMA_WS_FORMS, ids=lambda v: str(v))
+def test_wgmma_ws_wide_and_one_partition_tiles_equal_to_plain_tiles(shape, consumers, tail, k_per_split):
+    """Tiles of 128 + tail columns (a second accumulator and TMA block: 160 = 128 + 32 and 192 =
+    128 + 64 experts in one tile), and both consumer warpgroups in one 8-warp partition: every
+    logit written, fp32-mode accuracy, and bitwise the two-partition 128-wide tiles' logits (per
+    element the same chains and adds; a wrong tail offset, or a stage released before every
+    wgmma reading it retired, would differ)."""
     from csrc_triton.configs import wgmma_ws_config
 
     if not _hopper():
