@@ -270,7 +270,9 @@ def heuristic_config(
     operands and spill (sm_80 / sm_89 compile, ``python -m vllm_router_ext.testing.aot``), so
     those GPUs get 128x64 tiles. On Hopper (9.x) the fp32 mode takes the warp-specialised wgmma
     kernel from WGMMA_WS_FROM_M tokens when this Triton has Gluon (``wgmma_ws``: None = find out;
-    False = never, the kernel's own fallback)."""
+    False = never, the kernel's own fallback), in tiles of 128 + a 16/32-column tail where
+    128-wide tiles would pad more than a quarter of N, and of 192 (128 + 64) from
+    WGMMA_WS_192_FROM_M tokens where 192 divides N (above 256)."""
     fp32 = mode == "fp32"
     if fp32 and not batch_invariant and capability // 10 == 9 and m >= WGMMA_WS_FROM_M:
         if wgmma_ws is None:
