@@ -428,8 +428,8 @@ def wgmma_ws_candidates(m: int, k: int, n: int) -> list[KernelConfig]:
     widths += [(128, 64, 1), (128, 64, 2)] if n > 128 and n % 192 == 0 else []
     for block_n, tail, consumers in widths:
         tiles = wgmma_ws_tiles(m, n, block_n, tail)
-        for splits in WGMMA_WS_SPLITS:
-            per_split = wgmma_ws_k_per_split(k, splits)
+        for asked in WGMMA_WS_SPLITS:
+            per_split = wgmma_ws_k_per_split(k, asked)
             splits = -(-k // per_split)  # whole chains per split: fewer parts than asked, maybe
             if tiles * splits <= 2 * sms and per_split < k or splits == 1:
                 kps = 0 if splits == 1 else per_split
