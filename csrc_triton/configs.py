@@ -37,6 +37,7 @@ PARAM_KEYS = (
     "splits_in_program",
     "fixed_point",
     "fixed_ticket",
+    "pdl",
 )
 
 
@@ -66,6 +67,10 @@ class KernelConfig:
             inner += ",splits_in_program"
         if self.params.get("fixed_point"):
             inner += ",fixed_point" + ("(ticket)" if self.params.get("fixed_ticket") else "")
+        if self.kernel == "splitk" and self.params.get("ticket") is False:
+            inner += ",two_launch"
+        if self.params.get("pdl"):
+            inner += ",pdl" + ("(late)" if self.kernel == "wgmma_ws" and self.params["pdl"] == 2 else "")
         return f"triton {self.kernel}({inner})"
 
     def __hash__(self) -> int:
@@ -324,6 +329,28 @@ def heuristic_config(
             num_stages=3,
         ),
     )
+
+
+def split_sum_variants(cfg: KernelConfig, k: int) -> list[KernelConfig]:
+    """``cfg`` with each way of launching its cross-program K-split sum, all adding the same
+    partials in the same order: the split-K kernel's one-launch ticket, or two launches with the
+    second a programmatic dependent launch (PDL); the ``wgmma_ws`` sum (or stream-K fixup) plain
+    or with PDL, let go early or late (``PDL_EARLY``, ``PDL_LATE``). Empty for configs without
+    such a sum (one split, splits summed in one program, the fixed-point sum). On the H200 PDL
+    saves ~0.6 µs of the second launch, and two launches with PDL beat the ticket by up to 1.5 µs
+    on many buckets, but an early trigger slowed ``wgmma_ws`` where its first launch fills >= 112
+    of the 132 SMs (``probe-pdl-split-sum-h200-*.log``): the tuner times each per M."""
+    p = {key: v for key, v in cfg.params.items() if key not in ("ticket", "pdl")}
+    if cfg.kernel == "splitk":
+        if p.get("splits_in_program") or p.get("fixed_point") or p["k_per_split"] >= k:
+            return []
+        return [KernelConfig("splitk", p), KernelConfig("splitk", {**p, "ticket": False, "pdl": True})]
+    if cfg.kernel == "wgmma_ws" and (0 < p.get("k_per_split", 0) < k or p.get("stream_k")):
+        return [
+            KernelConfig("wgmma_ws", {**p, "pdl": pdl}) if pdl else KernelConfig("wgmma_ws", p)
+            for pdl in (0, 1, 2)
+        ]
+    return []
 
 
 def bucket_for(buckets: list[dict[str, Any]], m: int) -> dict[str, Any] | None:

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from csrc_triton import cdiv
 from csrc_triton.dot import interpreting, mma, promoted_group
+from csrc_triton.pdl import launch_dependents, launch_options, pdl_enabled, wait_for_primary
 
 #: Fixed-point split sum: a 64-bit word per logit = (arrival count << 59) + sum of biased partials.
 FIXED_MAX_SPLITS = 31  # the count's 5 bits
@@ -230,7 +231,9 @@ def _splitk_partials_kernel(
     UNROLL: tl.constexpr,
     SPLITS_IN_PROGRAM: tl.constexpr,
     FIXED_POINT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    launch_dependents(PDL)  # the two-launch form's split sum may launch now (it waits for us)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -300,8 +303,10 @@ def _splitk_reduce_kernel(
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
     CONTIGUOUS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    wait_for_primary(PDL)  # launched early (PDL): the partials are complete only past this
     mask = offs < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):  # fixed order: split 0, 1, ..., S-1
@@ -377,8 +382,11 @@ def splitk_launch(
     splits_in_program: bool = False,
     fixed_point: bool = False,
     fixed_ticket: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Write ``x @ w.T`` into ``out`` [M, N] (any float dtype). x, w: unit stride along K.
+    ``ticket=False``: two launches (partials, then :func:`reduce_partials`); with ``pdl`` the
+    second one is a programmatic dependent launch where the GPU has it (``csrc_triton/pdl.py``).
     ``splits_in_program``: one program per tile runs all its splits (large M); same result.
     ``fixed_point``: the splits are summed exactly in fixed point (batch-invariant path), with
     one atomic per logit, or (``fixed_ticket``, mid M: fewer atomics) as integer partials that
@@ -406,6 +414,8 @@ def splitk_launch(
         tickets, use_ticket = _tickets(out.device, grid[0] * grid[2]), True
     else:
         part, tickets, use_ticket = split_workspace(out, split_k, grid[0] * grid[2], ticket)
+    two_launch = not use_ticket and part is not out
+    pdl = pdl and two_launch and pdl_enabled(out.device)
     _splitk_partials_kernel[grid](
         x,
         w,
@@ -433,21 +443,24 @@ def splitk_launch(
         UNROLL=num_stages == 1,
         SPLITS_IN_PROGRAM=splits_in_program,
         FIXED_POINT=fixed_point,
+        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if not use_ticket and part is not out:
-        reduce_partials(part, out)
+    if two_launch:
+        reduce_partials(part, out, pdl)
     return out
 
 
-def reduce_partials(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The two-launch form's second kernel: ``out = part[0] + part[1] + ... + part[S-1]``."""
+def reduce_partials(part: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """The two-launch form's second kernel: ``out = part[0] + part[1] + ... + part[S-1]``.
+    ``pdl``: launched as a programmatic dependent of the kernel that wrote ``part`` (which must
+    have called ``launch_dependents``; see ``csrc_triton/pdl.py``): the same adds, launched early."""
     split_k, M, N = part.shape
     block = _REDUCE_BLOCK_MANY if split_k >= _REDUCE_MANY_FROM else _REDUCE_BLOCK
     _splitk_reduce_kernel[(cdiv(M * N, block),)](
         part, out, M, N, part.stride(0), out.stride(0), SPLIT_K=split_k, BLOCK=block,
-        CONTIGUOUS=out.stride(0) == N, num_warps=_REDUCE_WARPS,
+        CONTIGUOUS=out.stride(0) == N, PDL=pdl, num_warps=_REDUCE_WARPS, **launch_options(pdl),
     )  # fmt: skip
     return out
 

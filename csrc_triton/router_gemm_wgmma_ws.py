@@ -36,6 +36,7 @@ import triton.language as tl
 from csrc_triton import cdiv
 from csrc_triton.configs import FP32_MAX_BLOCK_K
 from csrc_triton.configs import WGMMA_WS_BLOCK_M as BLOCK_M  # two consumer warpgroups x one m64 wgmma
+from csrc_triton.pdl import launch_options, pdl_enabled, wait_for_primary
 
 MAX_CHAIN = 2 * FP32_MAX_BLOCK_K  # the fp32 mode's longest MMA chain along K
 
@@ -59,6 +60,22 @@ if GLUON:
     # Triton 3.6 calls the TMA load async_copy_global_to_shared; 3.9 renamed it async_load.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _HALF = gl.constexpr(BLOCK_M // 2)  # rows per consumer warpgroup
+    _PDL_EARLY = gl.constexpr(1)  # = PDL_EARLY, PDL_LATE below
+    _PDL_LATE = gl.constexpr(2)
+
+    @gluon.jit
+    def _launch_dependents(PDL: gl.constexpr):
+        """The split sum after us may launch now (PDL; it waits for our writes): Gluon's form of
+        ``csrc_triton.pdl.launch_dependents``."""
+        if PDL:
+            gl.inline_asm_elementwise(
+                "griddepcontrol.launch_dependents; // dummy $0",
+                "=r",
+                [],
+                dtype=gl.int32,
+                is_pure=False,
+                pack=1,
+            )
 
     @aggregate
     class _Plan:
@@ -71,15 +88,17 @@ if GLUON:
         STAGES: gl.constexpr
         TAIL: gl.constexpr
         SPLIT_TAIL: gl.constexpr
+        LATE_TRIGGER: gl.constexpr
 
         @triton.constexpr_function
-        def __init__(self, K, PROMOTE, N_CHUNKS, STAGES, TAIL, SPLIT_TAIL):
+        def __init__(self, K, PROMOTE, N_CHUNKS, STAGES, TAIL, SPLIT_TAIL, LATE_TRIGGER):
             self.K = gl.constexpr(K)
             self.PROMOTE = gl.constexpr(PROMOTE)
             self.N_CHUNKS = gl.constexpr(N_CHUNKS)
             self.STAGES = gl.constexpr(STAGES)
             self.TAIL = gl.constexpr(TAIL)
             self.SPLIT_TAIL = gl.constexpr(SPLIT_TAIL)
+            self.LATE_TRIGGER = gl.constexpr(LATE_TRIGGER)
 
     @gluon.jit
     def _chain(a_bufs, b_bufs, t_bufs, ready, empty, i0, acc, acc_t, ROW0: gl.constexpr,
@@ -124,7 +143,7 @@ if GLUON:
     def _consumer(a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om, off_m,
                   off_n, pid_s, ROW0: gl.constexpr, ROWS: gl.constexpr, PROMOTE: gl.constexpr,
                   N_CHUNKS: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr,
-                  TAIL_ROWS: gl.constexpr):  # fmt: skip
+                  TAIL_ROWS: gl.constexpr, LATE_TRIGGER: gl.constexpr):  # fmt: skip
         """Rows ROW0 .. ROW0+ROWS-1 of the tile's first BN columns (one warpgroup per 64 rows),
         and with TAIL > 0 its last TAIL columns, for all 128 rows or for the same rows
         (TAIL_ROWS): chains of PROMOTE chunks (the last one shorter), each added into the fp32
@@ -159,6 +178,7 @@ if GLUON:
             total = total + acc
             if TAIL > 0:
                 total_t = total_t + acc_t
+        _launch_dependents(LATE_TRIGGER)
         _store(out_ptr, total, M, N, stride_os, stride_om, off_m + ROW0, off_n, pid_s, mma)
         if TAIL > 0:
             tail_m = off_m if TAIL_ROWS == 2 * _HALF else off_m + ROW0
@@ -186,19 +206,21 @@ if GLUON:
             _tma_load(w_desc, [off_n, k], ready.index(s), b_bufs.index(s))
             if plan.TAIL > 0:
                 _tma_load(t_desc, [off_n + w_desc.block_type.shape[0], k], ready.index(s), t_bufs.index(s))
+        _launch_dependents(plan.LATE_TRIGGER)
 
     @gluon.jit
     def _second_consumer(x_desc, w_desc, t_desc, a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M,
                          N, stride_os, stride_om, off_m, off_n, pid_s, k_begin, k_end, plan):  # fmt: skip
         _consumer(a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os, stride_om, off_m,
                   off_n, pid_s, _HALF, _HALF, plan.PROMOTE, plan.N_CHUNKS, plan.STAGES,
-                  plan.TAIL if plan.SPLIT_TAIL else 0, _HALF)  # fmt: skip
+                  plan.TAIL if plan.SPLIT_TAIL else 0, _HALF, plan.LATE_TRIGGER)  # fmt: skip
 
     @gluon.jit
     def _wgmma_ws_kernel(x_desc, w_desc, t_desc, out_ptr, M, N, stride_os, stride_om, K: gl.constexpr,
                          K_PER_SPLIT: gl.constexpr, PROMOTE: gl.constexpr, STAGES: gl.constexpr,
                          TAIL: gl.constexpr, REGS: gl.constexpr, ONE_CONSUMER: gl.constexpr,
-                         SPLIT_TAIL: gl.constexpr):  # fmt: skip
+                         SPLIT_TAIL: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
+        _launch_dependents(PDL == _PDL_EARLY)
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -225,7 +247,7 @@ if GLUON:
 
         worker_args = (x_desc, w_desc, t_desc, a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N,
                        stride_os, stride_om, off_m, off_n, pid_s, k_begin, k_end,
-                       _Plan(K, PROMOTE, N_CHUNKS, STAGES, TAIL, SPLIT_TAIL))  # fmt: skip
+                       _Plan(K, PROMOTE, N_CHUNKS, STAGES, TAIL, SPLIT_TAIL, PDL == _PDL_LATE))  # fmt: skip
         # fmt: off
         # The default partition's constexpr arguments are written in place: gathered in a tuple
         # variable first, they would arrive as runtime integers.
@@ -234,7 +256,7 @@ if GLUON:
                 [
                     (_consumer, (a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os,
                                 stride_om, off_m, off_n, pid_s, 0, BM, PROMOTE, N_CHUNKS, STAGES,
-                                TAIL, BM)),
+                                TAIL, BM, PDL == _PDL_LATE)),
                     (_loader, worker_args),
                 ],
                 [1],
@@ -245,7 +267,7 @@ if GLUON:
                 [
                     (_consumer, (a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os,
                                 stride_om, off_m, off_n, pid_s, 0, _HALF, PROMOTE, N_CHUNKS, STAGES,
-                                TAIL, _HALF if SPLIT_TAIL else BM)),
+                                TAIL, _HALF if SPLIT_TAIL else BM, PDL == _PDL_LATE)),
                     (_second_consumer, worker_args),
                     (_loader, worker_args),
                 ],
@@ -349,7 +371,8 @@ if GLUON:
     @gluon.jit
     def _wgmma_ws_streamk_kernel(x_desc, w_desc, out_ptr, ws_ptr, M, N, stride_om, stride_ws,
                                  stride_wm, units, tiles_n, K: gl.constexpr, PROMOTE: gl.constexpr,
-                                 STAGES: gl.constexpr, REGS: gl.constexpr):  # fmt: skip
+                                 STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
+        _launch_dependents(PDL)
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -381,11 +404,12 @@ if GLUON:
 @triton.jit
 def _streamk_fixup_kernel(ws_ptr, out_ptr, M, N, stride_ws, stride_wm, stride_om, units, groups,
                           tiles_n, CHAINS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          SUB_M: tl.constexpr, SLOTS: tl.constexpr):  # fmt: skip
+                          SUB_M: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """One program per SUB_M rows of a tile: a tile shared by several stream-K groups gets its
     partials added in slot order (its groups' order, i.e. K order); a tile run by one group is
     already stored. The slot loads are unrolled (masked past the tile's count) so that they are
     all in flight at once: a loop of dependent loads measured ~1 µs per slot."""
+    wait_for_primary(PDL)  # launched early (PDL): the slots are complete only past this
     pid = tl.program_id(0)
     tile = pid // (BM // SUB_M)
     t = tile // tiles_n  # row block
@@ -474,6 +498,11 @@ CONSUMERS = (1, 2)
 #: the second consumer then holds 192 accumulator registers, so it is raised to 232 and the
 #: loader lowered to 24 (128 x (256 + 232 + 24) = the whole file; the launch stays at 168).
 SPLIT_TAIL_REGISTERS = 232
+#: ``pdl`` values: where the K-split kernel lets its split sum launch (programmatic dependent
+#: launch): at its start, or once each partition has issued its last load / chain. On the H200 the
+#: early trigger slowed launches that fill >= 112 of the 132 SMs (``benchmarks/probe_pdl_split_sum.py``).
+PDL_EARLY = 1
+PDL_LATE = 2
 
 
 def wgmma_ws_launch(
@@ -489,6 +518,7 @@ def wgmma_ws_launch(
     block_n_tail: int = 0,
     stream_k: int = 0,
     consumers: int = 2,
+    pdl: int = 0,
 ) -> torch.Tensor:
     """Write ``x @ w.T`` (fp32-mode sums) into the fp32 ``out`` [M, N] (unit stride along N).
     ``k_per_split`` 0 or >= K: no split; else fp32 partials [S, M, N] added in split order.
@@ -498,7 +528,10 @@ def wgmma_ws_launch(
     64 rows each (a 16/32-column tail on the first for all 128 rows, a 64-column one split
     between them), or 1 of 8 warps for all 128 rows. ``stream_k`` > 0: that many programs (at
     most one per SM: the ring fills shared memory) share the tiles' chains evenly instead (no K
-    split, no tail, two consumers)."""
+    split, no tail, two consumers). ``pdl`` (:data:`PDL_EARLY` or :data:`PDL_LATE`; 0: off): the
+    partials' sum (or stream-K fixup) is a programmatic dependent launch where the GPU has it
+    (``csrc_triton/pdl.py``), let go at the start of the first kernel or once its last loads and
+    chains are issued (stream-K: at its start). The same bits either way."""
     from csrc_triton.router_gemm_splitk import reduce_partials
 
     M, K = x.shape
@@ -520,10 +553,12 @@ def wgmma_ws_launch(
             f"stream_k={stream_k} shares whole tiles' chains: k_per_split and block_n_tail must be 0, "
             "consumers 2"
         )
+    if pdl not in (0, PDL_EARLY, PDL_LATE):
+        raise ValueError(f"pdl={pdl}; allowed: 0 (off), {PDL_EARLY} (early), {PDL_LATE} (late)")
     if M == 0:
         return out
     if stream_k:
-        return _streamk_launch(x, w, out, block_n, block_k, promote_chunks, num_stages, stream_k)
+        return _streamk_launch(x, w, out, block_n, block_k, promote_chunks, num_stages, stream_k, pdl)
     split_tail = consumers == 2 and block_n_tail > 32
     kps = k_per_split if 0 < k_per_split < K else K
     n_chunks = cdiv(kps, block_k)
@@ -533,14 +568,15 @@ def wgmma_ws_launch(
     w_desc = _tma_descriptor(w, block_n, block_k)
     t_desc = _tma_descriptor(w, block_n_tail, block_k) if block_n_tail else w_desc
     grid = (cdiv(N, block_n + block_n_tail), cdiv(M, BLOCK_M), split)
+    pdl = pdl if split > 1 and pdl_enabled(out.device) else 0
     _wgmma_ws_kernel[grid](
         x_desc, w_desc, t_desc, part, M, N, part.stride(0) if split > 1 else 0, part.stride(-2),
         K, n_chunks * block_k, promote_chunks, num_stages, block_n_tail,
-        SPLIT_TAIL_REGISTERS if split_tail else WORKER_REGISTERS, consumers == 1, split_tail,
+        SPLIT_TAIL_REGISTERS if split_tail else WORKER_REGISTERS, consumers == 1, split_tail, pdl,
         num_warps=8 if consumers == 1 else 4, maxnreg=WORKER_REGISTERS,
     )  # fmt: skip
     if split > 1:
-        reduce_partials(part, out)
+        reduce_partials(part, out, pdl > 0)
     return out
 
 
@@ -556,6 +592,7 @@ def _streamk_launch(
     promote: int,
     stages: int,
     programs: int,
+    pdl: int,
 ) -> torch.Tensor:
     M, K = x.shape
     N = w.shape[0]
@@ -567,14 +604,16 @@ def _streamk_launch(
     ws = torch.empty((slots, M, N), dtype=torch.float32, device=out.device) if slots > 1 else out
     x_desc = _tma_descriptor(x, BLOCK_M, block_k)
     w_desc = _tma_descriptor(w, block_n, block_k)
+    pdl = bool(pdl) and slots > 1 and pdl_enabled(out.device)
     _wgmma_ws_streamk_kernel[(groups * tiles_n,)](
         x_desc, w_desc, out, ws, M, N, out.stride(0), ws.stride(0) if slots > 1 else 0, ws.stride(-2),
-        units, tiles_n, K, promote, stages, WORKER_REGISTERS, num_warps=4, maxnreg=WORKER_REGISTERS,
+        units, tiles_n, K, promote, stages, WORKER_REGISTERS, pdl, num_warps=4, maxnreg=WORKER_REGISTERS,
     )  # fmt: skip
     if slots > 1:
         _streamk_fixup_kernel[(cdiv(M, BLOCK_M) * tiles_n * (BLOCK_M // _FIXUP_ROWS),)](
             ws, out, M, N, ws.stride(0), ws.stride(1), out.stride(0), units, groups, tiles_n,
-            CHAINS=chains, BM=BLOCK_M, BN=block_n, SUB_M=_FIXUP_ROWS, SLOTS=slots, num_warps=4,
+            CHAINS=chains, BM=BLOCK_M, BN=block_n, SUB_M=_FIXUP_ROWS, SLOTS=slots, PDL=pdl, num_warps=4,
+            **launch_options(pdl),
         )  # fmt: skip
     return out
 

@@ -142,7 +142,8 @@ def test_split_sum_forms_are_bitwise_equal(gen, promote_chunks, k, fixed):
         again = run_config(KernelConfig("splitk", base), x, w, _poisoned(70, 40, torch.float32), DOT_NATIVE)
         assert torch.equal(first, again)
         assert set(_fixed_words_left()) == {0}
-    forms = [{"splits_in_program": True}] + ([{"fixed_ticket": True}] if fixed else [])
+    two_launch = {"ticket": False, "pdl": True}  # partials, then the split sum (PDL on a GPU)
+    forms = [{"splits_in_program": True}] + ([{"fixed_ticket": True}] if fixed else [two_launch])
     for block_m, block_n, stages in ((16, 16, 1), (64, 32, 2), (32, 64, 3)):
         params = {**base, "block_m": block_m, "block_n": block_n, "num_stages": stages}
         for form in forms:
@@ -601,6 +602,8 @@ def test_wgmma_ws_requirements_name_the_problem(monkeypatch):
         wgmma_ws_launch(
             x, w, out, block_n=128, block_k=64, promote_chunks=4, num_stages=6, stream_k=132, consumers=1
         )
+    with pytest.raises(ValueError, match=r"pdl=3; allowed: 0 \(off\), 1 \(early\), 2 \(late\)"):
+        wgmma_ws_launch(x, w, out, block_n=128, block_k=64, promote_chunks=4, num_stages=6, pdl=3)
     assert "consumers=1" in wgmma_ws_config(128, 0, consumers=1).describe()
     assert "consumers" not in wgmma_ws_config(128, 0).params  # tables without the key stay valid
 
@@ -684,3 +687,51 @@ def test_split_order_sum_adds_partials_in_split_order(splits, contiguous):
     assert torch.equal(out, expected)
     if not contiguous:
         assert base[:, 96:].isnan().all()  # nothing written past the logits
+
+
+def test_split_sum_variants_launch_one_sum_each_way():
+    """What the tuner times per bucket: the split-K kernel's ticket and two launches with PDL, the
+    ``wgmma_ws`` sum plain / PDL early / PDL late; nothing for configs without a cross-program sum
+    (one split, every split in one program, the fixed-point sum). The other parameters are kept."""
+    from csrc_triton.configs import split_sum_variants, splitk_config, wgmma_ws_config
+
+    cfg = splitk_config(64, 64, 128, 1024, "fp32")
+    variants = split_sum_variants(KernelConfig("splitk", {**cfg.params, "pdl": True, "ticket": False}), 7168)
+    assert [v.params.get("ticket", True) for v in variants] == [True, False]
+    assert [bool(v.params.get("pdl")) for v in variants] == [False, True]
+    launch_keys = ("ticket", "pdl")
+    assert all({k: v for k, v in c.params.items() if k not in launch_keys} == cfg.params for c in variants)
+    assert variants[1].describe().endswith(",two_launch,pdl)")
+    assert split_sum_variants(cfg, 1024) == []  # one split
+    assert split_sum_variants(KernelConfig("splitk", {**cfg.params, "splits_in_program": True}), 7168) == []
+    assert split_sum_variants(KernelConfig("splitk", {**cfg.params, "fixed_point": True}), 7168) == []
+    ws = split_sum_variants(wgmma_ws_config(128, 1792), 7168)
+    assert [v.params.get("pdl", 0) for v in ws] == [0, 1, 2]
+    assert ws[1].describe().endswith(",pdl)") and ws[2].describe().endswith(",pdl(late))")
+    assert split_sum_variants(wgmma_ws_config(128, 0), 7168) == []
+    assert len(split_sum_variants(wgmma_ws_config(128, 0, stream_k=132), 7168)) == 3  # its fixup
+
+
+def test_pdl_only_where_the_gpu_and_triton_have_it(monkeypatch):
+    """Programmatic dependent launch: sm_90+ CUDA devices, never under the interpreter or on CPU,
+    off with VLLM_ROUTER_EXT_PDL=0; ``forced`` (the sm_90 compile check) overrides the device."""
+    import csrc_triton.pdl as pdl
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(pdl, "_capability_major", lambda index: 9)
+    assert not pdl.pdl_enabled(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl.pdl_enabled(cuda)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert pdl.pdl_enabled(cuda) == pdl.TRITON_PDL
+    monkeypatch.setenv(pdl.ENV_VAR, "0")
+    assert not pdl.pdl_enabled(cuda)
+    monkeypatch.delenv(pdl.ENV_VAR)
+    monkeypatch.setattr(pdl, "_capability_major", lambda index: 8)
+    assert not pdl.pdl_enabled(cuda)
+    with pdl.forced(True):
+        assert pdl.pdl_enabled(torch.device("cpu")) == pdl.TRITON_PDL
+        with pdl.forced(False):
+            assert not pdl.pdl_enabled(cuda)
+    assert not pdl.pdl_enabled(torch.device("cpu"))
+    assert pdl.launch_options(True) == {"launch_pdl": True} and pdl.launch_options(False) == {}

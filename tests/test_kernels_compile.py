@@ -106,3 +106,51 @@ print(json.dumps(out))
     kernels = {r[1] for r in results}
     assert {"_wgmma_ws_kernel", "_wgmma_ws_streamk_kernel", "_streamk_fixup_kernel"} <= kernels
     assert not [r for r in results if r[3]], results  # spill bytes
+
+
+def test_pdl_forms_compile_with_grid_dependency_control():
+    """The K-split sums' programmatic dependent launch in the sm_90 compile: the first kernel lets
+    the second go (``griddepcontrol.launch_dependents``: at its start, or late in each of the
+    ``wgmma_ws`` kernel's three partitions) and the split sum waits (``griddepcontrol.wait``)
+    before reading a partial; on sm_80 (no PDL) neither instruction, no ``launch_pdl``."""
+    script = """
+import json, torch
+from csrc_triton import pdl
+from vllm_router_ext.testing.aot import _captured_launches, _compile
+from csrc_triton.router_gemm_splitk import splitk_launch
+from csrc_triton.router_gemm_wgmma_ws import GLUON, wgmma_ws_launch
+x, w = torch.zeros(512, 7168, dtype=torch.bfloat16), torch.zeros(384, 7168, dtype=torch.bfloat16)
+out = []
+for arch in (90, 80):
+    wgmma = [("wgmma", {"pdl": 1}), ("wgmma", {"pdl": 2})] if GLUON and arch == 90 else []
+    forms = [("splitk", {})] + wgmma
+    for kind, form in forms:
+        with _captured_launches() as launches, pdl.forced(arch >= 90):
+            if kind == "splitk":
+                splitk_launch(x, w, torch.empty(512, 384), block_m=64, block_n=64, block_k=128,
+                              k_per_split=1024, promote_chunks=2, dot_mode=0, ticket=False, num_stages=3,
+                              pdl=True)
+            else:
+                wgmma_ws_launch(x, w, torch.empty(512, 384), block_n=128, block_k=64, promote_chunks=4,
+                                num_stages=6, k_per_split=1792, **form)
+        for fn, args, kwargs in launches:
+            ptx = _compile(fn, args, kwargs, arch).asm["ptx"]
+            out.append([arch, kind, str(form), fn.__name__, ptx.count("griddepcontrol.launch_dependents"),
+                        ptx.count("griddepcontrol.wait"), bool(kwargs.get("launch_pdl"))])
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {(a, kind, form, fn): (trig, wait, flag) for a, kind, form, fn, trig, wait, flag in json.loads(
+        run.stdout.strip().splitlines()[-1])}  # fmt: skip
+    assert rows[(90, "splitk", "{}", "_splitk_partials_kernel")] == (1, 0, False)
+    assert rows[(90, "splitk", "{}", "_splitk_reduce_kernel")] == (0, 1, True)
+    assert rows[(80, "splitk", "{}", "_splitk_partials_kernel")] == (0, 0, False)
+    assert rows[(80, "splitk", "{}", "_splitk_reduce_kernel")] == (0, 0, False)
+    from csrc_triton.router_gemm_wgmma_ws import GLUON
+
+    if GLUON:
+        assert rows[(90, "wgmma", "{'pdl': 1}", "_wgmma_ws_kernel")] == (1, 0, False)
+        assert rows[(90, "wgmma", "{'pdl': 2}", "_wgmma_ws_kernel")] == (3, 0, False)  # each partition
+        assert rows[(90, "wgmma", "{'pdl': 2}", "_splitk_reduce_kernel")] == (0, 1, True)

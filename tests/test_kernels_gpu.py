@@ -199,6 +199,59 @@ def test_wgmma_ws_graph_replay_equals_eager(k_per_split, tail, stream_k, consume
         assert torch.equal(out, eager)
 
 
+#: (kernel, params) of K-split configs whose split sum is launched each way: the split-K kernel's
+#: ticket (one launch) and two launches with PDL, fp32 promotion and bf16-fp32out (no promotion);
+#: ``wgmma_ws`` with the sum plain, PDL let go early and late, with a 64-column split tail; stream-K.
+SPLIT_SUM_FORMS = [
+    ("splitk", dict(block_m=64, block_n=64, block_k=128, k_per_split=1024, promote_chunks=2, num_stages=3)),
+    ("splitk", dict(block_m=16, block_n=16, block_k=128, k_per_split=512, promote_chunks=4, num_stages=1)),
+    ("wgmma_ws", dict(block_n=128, block_k=64, k_per_split=1024, promote_chunks=4, num_stages=6)),
+    ("wgmma_ws", dict(block_n=128, block_n_tail=64, block_k=64, k_per_split=1792, promote_chunks=4,
+                      num_stages=5)),
+    ("wgmma_ws", dict(block_n=128, block_k=64, stream_k=132, promote_chunks=4, num_stages=6)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("kernel,params", SPLIT_SUM_FORMS, ids=lambda v: str(v))
+def test_split_sum_launch_forms_bitwise_equal_eager_and_graphs(shape, kernel, params):
+    """The K-split sum's launch forms (``split_sum_variants``, which the tuner times: ticket or
+    two launches with the second a programmatic dependent launch; PDL early or late) add the same
+    partials in the same order: bitwise the same logits, every one written, in eager mode and in
+    CUDA-graph replay. A dependent launch that read the partials before its ``griddepcontrol.wait``
+    (or a first kernel that let it go before its stores were ordered) would differ or leave NaN."""
+    if kernel == "wgmma_ws" and not _hopper():
+        pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
+    if params.get("block_n_tail") and shape.n % 192:
+        pytest.skip("192-wide tiles are for N divisible by 192")
+    import os
+
+    from csrc_triton.configs import split_sum_variants
+    from csrc_triton.pdl import ENV_VAR, pdl_enabled
+
+    assert os.environ.get(ENV_VAR, "1") != "0"
+    assert pdl_enabled(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+    variants = split_sum_variants(KernelConfig(kernel, params), shape.k)
+    assert len(variants) == (2 if kernel == "splitk" else 3)
+    for m in (1, 300, 2000):
+        x, w = _xw(m, shape)
+        dot = dot_mode_for(x.dtype, w.dtype)
+        ref = run_config(variants[0], x, w, torch.full((m, shape.n), float("nan"), device="cuda"), dot)
+        assert not ref.isnan().any() and _rel(ref, x, w) <= 1e-6, (m, variants[0].describe())
+        for cfg in variants[1:]:
+            out = torch.full_like(ref, float("nan"))
+            run_config(cfg, x, w, out, dot)
+            assert torch.equal(out, ref), (m, cfg.describe())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run_config(cfg, x, w, out, dot)
+            for _ in range(3):
+                out.fill_(float("nan"))
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(out, ref), (m, cfg.describe(), "graph replay")
+
+
 @pytest.mark.parametrize("m", [0, 1, 7, 16, 300, 4096, 16384])
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32], ids=["bf16-weight", "fp32-weight"])
 def test_fp32_mode_accuracy(m, w_dtype):

@@ -144,6 +144,7 @@ def compile_configs(
     """Compile every launch of every config (:func:`configs_to_compile`) for ``sm_<arch>``."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter never compiles the kernels")
+    from csrc_triton import pdl
     from vllm_router_ext.ops.dispatch import dot_mode_for, run_config
 
     results: list[Compiled] = []
@@ -154,7 +155,8 @@ def compile_configs(
             w = torch.zeros(shape.n, shape.k, dtype=w_dtype)
             out_dtype = torch.bfloat16 if mode is RouterPrecision.BF16 else torch.float32
             out = torch.empty(m, shape.n, dtype=out_dtype)
-            with _captured_launches() as launches:
+            # as launched on a GPU of that arch: two-launch sums with PDL from sm_90
+            with _captured_launches() as launches, pdl.forced(arch >= 90):
                 run_config(cfg, x, w, out, dot_mode_for(x.dtype, w.dtype), capability=arch)
             for fn, args, kwargs in launches:
                 types = tuple(_arg_key(a) for a in args)
