@@ -32,6 +32,7 @@ from csrc_triton.configs import (  # noqa: E402
     device_key,
     fp32_promote_chunks,
     pipelined_splitk_config,
+    split_sum_variants,
     splitk_config,
     wgmma_ws_config,
     wgmma_ws_k_per_split,
@@ -182,6 +183,28 @@ def time_config(cfg: KernelConfig, xs, ws, mode: str) -> float:
     return time_rotated_into(lambda x, w, o: run_config(cfg, x, w, o, dot_mode), xs, ws, warmup=10, rep=40)
 
 
+def refine_split_sum(best: tuple[float, KernelConfig], xs, ws, mode: str) -> tuple[float, KernelConfig]:
+    """Retime ``best`` and its :func:`split_sum_variants` (each bitwise equal to it, checked);
+    keep the fastest."""
+    variants = split_sum_variants(best[1], xs[0].shape[1])
+    if not variants:
+        return best
+    dot_mode = dot_mode_for(xs[0].dtype, ws[0].dtype)
+
+    def logits(c: KernelConfig) -> torch.Tensor:
+        out = torch.full((xs[0].shape[0], ws[0].shape[0]), float("nan"), device="cuda")
+        return run_config(c, xs[0], ws[0], out, dot_mode)
+
+    ref = logits(best[1])
+    timed = []
+    for c in variants:
+        if not torch.equal(logits(c), ref):  # the same adds in the same order: never expected
+            print(f"    {c.describe()} differs bitwise from {best[1].describe()}: not used")
+            continue
+        timed.append((time_config(c, xs, ws, mode), c))
+    return min(timed, key=lambda r: r[0]) if timed else best
+
+
 #: The fp32 mode's tiled kernel never won below this M on the H200 (tune-h200-976dd63.log and later
 #: tables): not timed there, to keep a retune inside one device call.
 FP32_TILED_FROM = 2048
@@ -234,12 +257,12 @@ def tune_shape(
                 continue
             results.append((time_config(cfg, xs, ws, mode), cfg))
         results.sort(key=lambda r: r[0])
-        best_by_m[m] = results[0]
+        best_by_m[m] = refine_split_sum(results[0], xs, ws, mode)
         if (fastest := _fastest_triton(results)) is not None:
             triton_by_m[m] = fastest
         cub = next((t for t, c in results if c.kernel == "cublas"), None)
         print(
-            f"  {shape.name} {mode} M={m}: best {results[0][0]:.2f} µs {results[0][1].describe()}"
+            f"  {shape.name} {mode} M={m}: best {best_by_m[m][0]:.2f} µs {best_by_m[m][1].describe()}"
             + (f"  (cuBLAS {cub:.2f})" if cub else ""),
             flush=True,
         )
@@ -378,7 +401,7 @@ def tune_batch_invariant(
         for m in ms:
             fits = [c for c in admitted if _bi_fits(c, m)]
             timed = sorted(((time_config(c, *inputs[m], mode), c) for c in fits), key=lambda r: r[0])
-            per_m[m] = timed[0]
+            per_m[m] = refine_split_sum(timed[0], *inputs[m], mode)
         worst = max(per_m[m][0] / best[m] for m in ms)
         choices.append((worst, structure, per_m))
     worst, (kps, _, fixed), per_m = min(choices, key=lambda c: c[0])
@@ -515,16 +538,33 @@ def tune_targeted(
             if c.kernel == "cublas" or _check(c, xs[0], ws[0], mode)
         ]
         results = sorted(timed, key=lambda r: r[0])
-        new[m] = results[0]
+        new[m] = refine_split_sum(results[0], xs, ws, mode)
         if (fastest := _fastest_triton(results)) is not None:
             triton_by_m[m] = fastest
         cur_t = next((t for t, c in results if current is not None and c == current), None)
         print(
-            f"  {shape.name} {mode} M={m}: best {results[0][0]:.2f} µs {results[0][1].describe()}"
+            f"  {shape.name} {mode} M={m}: best {new[m][0]:.2f} µs {new[m][1].describe()}"
             + (f"  (table's current {cur_t:.2f})" if cur_t else ""),
             flush=True,
         )
     return merge_buckets(old, new, M_LIST), triton_by_m
+
+
+def refine_table_split_sums(shape, key: str, old: list[dict], ms) -> list[dict]:
+    """``--refine-split-sum``: at each M, the table's config for ``key`` (a mode, or
+    ``<mode>/batch_invariant``) against its :func:`split_sum_variants`; merged back into buckets."""
+    mode = key.split("/")[0]
+    new = {}
+    for m in ms:
+        current = bucket_config(old, m)
+        if current is None or not split_sum_variants(current, shape.k):
+            continue
+        xs, ws = make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m)
+        new[m] = refine_split_sum((time_config(current, xs, ws, mode), current), xs, ws, mode)
+        print(f"  {shape.name} {key} M={m}: {new[m][0]:.2f} µs {new[m][1].describe()}", flush=True)
+    if not new:
+        return old
+    return merge_buckets(old, new, sorted(set(ms) | set(M_LIST)))
 
 
 def _reload_table(path: Path) -> None:
@@ -554,6 +594,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --merge: time only the targeted candidates at --m and merge them into the table",
     )
+    p.add_argument(
+        "--refine-split-sum",
+        action="store_true",
+        help="with --merge: at --m, time each bucket's K-split sum launched each way (ticket, two "
+        "launches with PDL) for the listed modes and their batch-invariant buckets; keep the fastest",
+    )
     p.add_argument("--no-bi", action="store_true", help="leave the batch-invariant buckets as they are")
     p.add_argument(
         "--bi-sums",
@@ -562,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
         help="which kinds of batch-invariant split sum to compare (each doubles the time)",
     )
     args = p.parse_args(argv)
+    if (args.targeted or args.refine_split_sum) and not args.merge:
+        p.error("--targeted and --refine-split-sum need --merge TABLE")
     name = torch.cuda.get_device_name()
     out = Path(args.out) if args.out else CONFIG_DIR / f"{device_key(name)}.json"
     ms = [int(m) for m in args.m.split(",")]
@@ -579,6 +627,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         entry = table["shapes"].setdefault(f"{shape.k}x{shape.n}", {"model": shape.name})
         for mode in args.modes.split(","):
+            if args.refine_split_sum:
+                keys = [mode] if args.no_bi else [mode, f"{mode}/batch_invariant"]
+                for key in keys:
+                    entry[key] = refine_table_split_sums(shape, key, entry[key], ms)
+                    out.write_text(json.dumps(table, indent=1))
+                continue
             if args.targeted:
                 previous = entry.get(mode, [])
                 entry[mode], triton_by_m = tune_targeted(
