@@ -49,7 +49,7 @@ def _launch(part, out, block, warps, contiguous):
     s, m, n = part.shape
     sk._splitk_reduce_kernel[(sk.cdiv(m * n, block),)](
         part, out, m, n, part.stride(0), out.stride(0), SPLIT_K=s, BLOCK=block, CONTIGUOUS=contiguous,
-        num_warps=warps,
+        PDL=False, num_warps=warps,
     )  # fmt: skip
 
 
