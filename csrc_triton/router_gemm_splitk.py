@@ -18,7 +18,10 @@ drain, more than reading the weight (~0.9 µs). So by default (TICKET) the progr
 tile last does the reduction: each program stores its partial, then takes an integer ticket for
 its tile; the one that draws S-1 adds all S partials in split order and resets the ticket to 0
 for the next call. The ticket is the only atomic; the floating-point order never depends on which
-program came last. ``ticket=False`` keeps the two-launch form (partials, then a reduce kernel).
+program came last. ``ticket=False`` keeps the two-launch form (partials, then a reduce kernel);
+with ``pdl`` on Hopper+ the reduce kernel is a programmatic dependent launch (``csrc_triton/pdl.py``):
+launched while the partials are computed, it hides that launch, and the H200 table takes it over
+the ticket on most buckets from 32 tokens (``split_sum_variants`` in ``csrc_triton/configs.py``).
 
 Fixed-point split sum (``fixed_point``: a batch-invariant K structure a tuned table may select;
 the H200 table does not): instead of adding the S fp32 partials in split order, each partial is

@@ -21,7 +21,8 @@ with ``setmaxnreg``); 128 + a 64-column tail (192-wide tiles: each consumer carr
 its own 64 rows, the second one raised to 232 registers, the loader lowered to 24); one 8-warp
 consumer partition (``consumers=1``: both warpgroups in the default partition); and stream-K
 (groups of programs share the row blocks' chains evenly; shared tiles' partials are added in K
-order by a fixup kernel).
+order by a fixup kernel). The K-split sum and the fixup may be programmatic dependent launches
+(``pdl``: let go at the start of this kernel or once each partition has issued its last work).
 
 Gluon kernels compile for the GPU only (no ``TRITON_INTERPRET=1``): CPU CI compiles them for
 sm_90 (``python -m vllm_router_ext.testing.aot``); the GPU tests check their numbers.

@@ -9,8 +9,9 @@
   on the terms the gate layer made at load); fp32 activations use IEEE fp32 dots. Never TF32.
 - batch-invariant: the split-K kernel with one K structure for every M (no switch of kernel, dtype
   or K split by M); only tiles and where the split sum happens (a ticket or a second launch at
-  small M, in registers of one program at large M) vary, among configs verified bitwise equal. A tuned table may instead
-  fix the exact fixed-point split sum (one atomic per logit at small M): same rules.
+  small M, in registers of one program at large M) vary, among configs verified bitwise equal. A
+  tuned table may instead fix the exact fixed-point split sum (one atomic per logit at small M):
+  same rules.
 """
 
 from __future__ import annotations
