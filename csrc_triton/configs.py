@@ -277,7 +277,29 @@ def heuristic_config(
     kernel from WGMMA_WS_FROM_M tokens when this Triton has Gluon (``wgmma_ws``: None = find out;
     False = never, the kernel's own fallback), in tiles of 128 + a 16/32-column tail where
     128-wide tiles would pad more than a quarter of N, and of 192 (128 + 64) from
-    WGMMA_WS_192_FROM_M tokens where 192 divides N (above 256)."""
+    WGMMA_WS_192_FROM_M tokens where 192 divides N (above 256).
+    On Hopper a split-K config that adds its splits across programs does so in a second kernel,
+    launched with PDL (``split_sum_variants``): on the H200 that form won 48 of the 53 such table
+    buckets above 16 tokens and timed like the ticket below (docs/benchmarks.md, session 11); the
+    ``wgmma_ws`` sum stays a plain launch (PDL was slower there on full launches)."""
+    cfg = _heuristic_kernel(m, k, n, mode, batch_invariant, sm_count, cublas, capability, wgmma_ws)
+    if capability // 10 == 9 and cfg.kernel == "splitk" and (forms := split_sum_variants(cfg, k)):
+        return forms[-1]  # partials, then their split-order sum as a programmatic dependent launch
+    return cfg
+
+
+def _heuristic_kernel(
+    m: int,
+    k: int,
+    n: int,
+    mode: str,
+    batch_invariant: bool,
+    sm_count: int,
+    cublas: bool,
+    capability: int,
+    wgmma_ws: bool | None,
+) -> KernelConfig:
+    """:func:`heuristic_config`'s kernel, tiles and K split."""
     fp32 = mode == "fp32"
     if fp32 and not batch_invariant and capability // 10 == 9 and m >= WGMMA_WS_FROM_M:
         if wgmma_ws is None:

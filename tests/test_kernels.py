@@ -445,12 +445,21 @@ def test_heuristic_configs_are_well_formed():
                     assert with_cublas.kernel == "cublas"
     # Batch invariance: one K structure and tile for every M; above 256 tokens the same splits are
     # summed inside one program (software-pipelined), nothing else changes.
+    # On Hopper the small-M form's split sum is a second kernel launched with PDL (same adds).
     for mode in ("fp32", "bf16-fp32out"):
         small = {heuristic_config(m, 7168, 256, mode, True, 132) for m in (1, 17, 256)}
         large = {heuristic_config(m, 7168, 256, mode, True, 132) for m in (257, 4096, 16384)}
         assert len(small) == len(large) == 1
         (s,), (g,) = small, large
-        assert g.params == {**s.params, "num_stages": 3, "splits_in_program": True}
+        assert s.params["ticket"] is False and s.params["pdl"] is True
+        launch = {k: v for k, v in s.params.items() if k not in ("ticket", "pdl")}
+        assert g.params == {**launch, "num_stages": 3, "splits_in_program": True}
+        ampere = heuristic_config(1, 7168, 256, mode, True, 108, capability=80)
+        assert "ticket" not in ampere.params and "pdl" not in ampere.params  # the one-launch ticket
+    # PDL only for cross-program split sums: not the GEMV, cuBLAS, one split or the wgmma_ws sum
+    assert "pdl" not in heuristic_config(1, 7168, 256, "fp32", False, 132).params
+    assert "pdl" not in heuristic_config(2048, 7168, 256, "fp32", False, 132, wgmma_ws=True).params
+    assert heuristic_config(64, 7168, 256, "bf16-fp32out", False, 132).params["pdl"] is True
 
 
 def test_heuristic_takes_the_wgmma_ws_kernel_only_where_it_runs():
