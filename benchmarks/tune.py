@@ -210,6 +210,14 @@ def refine_split_sum(best: tuple[float, KernelConfig], xs, ws, mode: str) -> tup
     return min(timed, key=lambda r: r[0]) if timed else best
 
 
+def fastest_launch_form(
+    results: list[tuple[float, KernelConfig]], xs, ws, mode: str
+) -> tuple[float, KernelConfig]:
+    """The fastest of the :data:`REFINED` best sorted ``results``, each in its fastest split-sum
+    launch form (:func:`refine_split_sum`)."""
+    return min((refine_split_sum(r, xs, ws, mode) for r in results[:REFINED]), key=lambda r: r[0])
+
+
 #: The fp32 mode's tiled kernel never won below this M on the H200 (tune-h200-976dd63.log and later
 #: tables): not timed there, to keep a retune inside one device call.
 FP32_TILED_FROM = 2048
@@ -262,7 +270,7 @@ def tune_shape(
                 continue
             results.append((time_config(cfg, xs, ws, mode), cfg))
         results.sort(key=lambda r: r[0])
-        best_by_m[m] = min((refine_split_sum(r, xs, ws, mode) for r in results[:REFINED]), key=lambda r: r[0])
+        best_by_m[m] = fastest_launch_form(results, xs, ws, mode)
         if (fastest := _fastest_triton(results)) is not None:
             triton_by_m[m] = fastest
         cub = next((t for t, c in results if c.kernel == "cublas"), None)
@@ -406,9 +414,7 @@ def tune_batch_invariant(
         for m in ms:
             fits = [c for c in admitted if _bi_fits(c, m)]
             timed = sorted(((time_config(c, *inputs[m], mode), c) for c in fits), key=lambda r: r[0])
-            per_m[m] = min(
-                (refine_split_sum(t, *inputs[m], mode) for t in timed[:REFINED]), key=lambda r: r[0]
-            )
+            per_m[m] = fastest_launch_form(timed, *inputs[m], mode)
         worst = max(per_m[m][0] / best[m] for m in ms)
         choices.append((worst, structure, per_m))
     worst, (kps, _, fixed), per_m = min(choices, key=lambda c: c[0])
@@ -545,7 +551,7 @@ def tune_targeted(
             if c.kernel == "cublas" or _check(c, xs[0], ws[0], mode)
         ]
         results = sorted(timed, key=lambda r: r[0])
-        new[m] = refine_split_sum(results[0], xs, ws, mode)
+        new[m] = fastest_launch_form(results, xs, ws, mode)
         if (fastest := _fastest_triton(results)) is not None:
             triton_by_m[m] = fastest
         cur_t = next((t for t, c in results if current is not None and c == current), None)

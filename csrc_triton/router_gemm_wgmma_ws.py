@@ -40,6 +40,11 @@ from csrc_triton.configs import WGMMA_WS_BLOCK_M as BLOCK_M  # two consumer warp
 from csrc_triton.pdl import launch_options, pdl_enabled, wait_for_primary
 
 MAX_CHAIN = 2 * FP32_MAX_BLOCK_K  # the fp32 mode's longest MMA chain along K
+#: ``pdl`` values: where the K-split kernel lets its split sum launch (programmatic dependent
+#: launch): at its start, or once each partition has issued its last load / chain. On the H200 the
+#: early trigger slowed launches that fill >= 112 of the 132 SMs (``benchmarks/probe_pdl_split_sum.py``).
+PDL_EARLY = 1
+PDL_LATE = 2
 
 try:  # Gluon with Hopper warp specialisation: Triton >= 3.6
     from triton.experimental import gluon
@@ -61,8 +66,8 @@ if GLUON:
     # Triton 3.6 calls the TMA load async_copy_global_to_shared; 3.9 renamed it async_load.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _HALF = gl.constexpr(BLOCK_M // 2)  # rows per consumer warpgroup
-    _PDL_EARLY = gl.constexpr(1)  # = PDL_EARLY, PDL_LATE below
-    _PDL_LATE = gl.constexpr(2)
+    _PDL_EARLY = gl.constexpr(PDL_EARLY)
+    _PDL_LATE = gl.constexpr(PDL_LATE)
 
     @gluon.jit
     def _launch_dependents(PDL: gl.constexpr):
@@ -499,11 +504,6 @@ CONSUMERS = (1, 2)
 #: the second consumer then holds 192 accumulator registers, so it is raised to 232 and the
 #: loader lowered to 24 (128 x (256 + 232 + 24) = the whole file; the launch stays at 168).
 SPLIT_TAIL_REGISTERS = 232
-#: ``pdl`` values: where the K-split kernel lets its split sum launch (programmatic dependent
-#: launch): at its start, or once each partition has issued its last load / chain. On the H200 the
-#: early trigger slowed launches that fill >= 112 of the 132 SMs (``benchmarks/probe_pdl_split_sum.py``).
-PDL_EARLY = 1
-PDL_LATE = 2
 
 
 def wgmma_ws_launch(
@@ -569,7 +569,7 @@ def wgmma_ws_launch(
     w_desc = _tma_descriptor(w, block_n, block_k)
     t_desc = _tma_descriptor(w, block_n_tail, block_k) if block_n_tail else w_desc
     grid = (cdiv(N, block_n + block_n_tail), cdiv(M, BLOCK_M), split)
-    pdl = pdl if split > 1 and pdl_enabled(out.device) else 0
+    pdl = pdl if pdl and split > 1 and pdl_enabled(out.device) else 0
     _wgmma_ws_kernel[grid](
         x_desc, w_desc, t_desc, part, M, N, part.stride(0) if split > 1 else 0, part.stride(-2),
         K, n_chunks * block_k, promote_chunks, num_stages, block_n_tail,
