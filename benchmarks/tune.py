@@ -34,6 +34,7 @@ from csrc_triton.configs import (  # noqa: E402
     pipelined_splitk_config,
     split_sum_variants,
     splitk_config,
+    table_override,
     wgmma_ws_config,
     wgmma_ws_k_per_split,
     wgmma_ws_tiles,
@@ -580,14 +581,11 @@ def refine_table_split_sums(shape, key: str, old: list[dict], ms) -> list[dict]:
     return merge_buckets(old, new, sorted(set(ms) | set(M_LIST)))
 
 
-def _reload_table(path: Path) -> None:
+def _reload_table() -> None:
     """Make the dispatch see the table being written (the BI tuning compares against it)."""
     import csrc_triton.configs as configs
 
-    configs.load_table.cache_clear()
-    configs.CONFIG_DIR = (
-        path.parent if path.name == f"{device_key(torch.cuda.get_device_name())}.json" else configs.CONFIG_DIR
-    )
+    configs.clear_table_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -634,6 +632,14 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     table["triton"] = triton.__version__
+    # The dispatch reads the table being written, whatever its name or VLLM_ROUTER_EXT_TABLE says.
+    with table_override(str(out.resolve())):
+        _tune_shapes(args, table, out, ms, bi_default_m=args.m == p.get_default("m"))
+    print(f"[tune] wrote {out}")
+    return 0
+
+
+def _tune_shapes(args: argparse.Namespace, table: dict, out: Path, ms: list[int], bi_default_m: bool) -> None:
     t0 = time.time()
     for shape in SHAPES:
         if shape.name not in args.shapes.split(","):
@@ -662,17 +668,15 @@ def main(argv: list[str] | None = None) -> int:
                 out.write_text(json.dumps(table, indent=1))
             if args.no_bi:
                 continue
-            _reload_table(out)
+            _reload_table()
             key = f"{mode}/batch_invariant"
-            if args.bi_only and args.m != p.get_default("m"):  # retune these M, keep the K structure
+            if args.bi_only and not bi_default_m:  # retune these M, keep the K structure
                 entry[key] = tune_batch_invariant(shape, mode, entry[key], ms)
             else:
                 entry[key] = tune_batch_invariant(shape, mode, sums=args.bi_sums)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(table, indent=1))  # keep what is done if the run is cut short
         print(f"[tune] {shape.name} done at {time.time() - t0:.0f}s", flush=True)
-    print(f"[tune] wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":

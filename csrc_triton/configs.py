@@ -12,8 +12,11 @@ autotunes at run time.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,12 +86,93 @@ def device_key(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
 
 
+#: Which tuned table the dispatch reads. Unset: the GPU's own (``configs/<gpu name>.json``, e.g.
+#: ``nvidia_h200``); ``none``: the heuristic for every shape; a table's name in ``configs/`` (e.g.
+#: ``nvidia_h200`` on an H100, whose SMs and shared memory are the H200's); or the path of a JSON
+#: table written by ``benchmarks/tune.py`` for this GPU.
+TABLE_ENV_VAR = "VLLM_ROUTER_EXT_TABLE"
+
+#: Set by :func:`table_override` (the benchmark's heuristic columns, tests); wins over the env var.
+_FORCED_TABLE: list[str] = []
+
+
+def available_tables() -> list[str]:
+    """Names of the tuned tables shipped with the package."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def table_choice() -> str | None:
+    """The validated table override: None (the GPU's own table), ``"none"``, a shipped table's name
+    or a JSON path. Raises ValueError naming the bad value and the allowed ones (checked when a
+    model is built, so a typo stops the start-up, not a serving step)."""
+    value = _FORCED_TABLE[-1] if _FORCED_TABLE else os.environ.get(TABLE_ENV_VAR, "").strip()
+    return _validated_choice(value, CONFIG_DIR) if value else None
+
+
 @functools.cache
+def _validated_choice(value: str, config_dir: Path) -> str:
+    if value.lower() == "none":
+        return "none"
+    if value.endswith(".json") or os.sep in value:
+        if not Path(value).is_file():
+            raise ValueError(f"{TABLE_ENV_VAR}={value!r}: no such file (a tuned table's JSON path)")
+        return value
+    if not (config_dir / f"{value}.json").is_file():
+        allowed = ", ".join(["none", *available_tables(), "a path to a JSON table"])
+        raise ValueError(f"{TABLE_ENV_VAR}={value!r} is not a tuned table; allowed: {allowed}")
+    return value
+
+
+def table_name(device_name: str) -> str | None:
+    """What :func:`load_table` reads for this GPU (a table name or a path), None for no table."""
+    choice = table_choice()
+    if choice == "none":
+        return None
+    return choice or device_key(device_name)
+
+
+def table_label(device_name: str) -> str:
+    """For logs and ``KernelConfig.source``: the table's name, marked when it is an override."""
+    name = table_name(device_name)
+    if name is None:
+        return "none (heuristic)"
+    label = Path(name).name if name.endswith(".json") or os.sep in name else name
+    return f"{label} ({TABLE_ENV_VAR})" if table_choice() else label
+
+
 def load_table(device_name: str) -> dict[str, Any]:
-    path = CONFIG_DIR / f"{device_key(device_name)}.json"
+    """The tuned table the dispatch uses on this GPU ({} = none: the heuristic)."""
+    name = table_name(device_name)
+    return {} if name is None else _read_table(name, CONFIG_DIR)
+
+
+@functools.cache
+def _read_table(name: str, config_dir: Path) -> dict[str, Any]:
+    path = Path(name) if name.endswith(".json") or os.sep in name else config_dir / f"{name}.json"
     if not path.exists():
         return {}
-    return json.loads(path.read_text())
+    table = json.loads(path.read_text())
+    if not isinstance(table, dict) or not isinstance(table.get("shapes", {}), dict):
+        raise ValueError(f"{path}: not a tuned table (a JSON object with a 'shapes' object)")
+    return table
+
+
+def clear_table_cache() -> None:
+    """Forget tables read so far (the tuner rewrites its table while it runs)."""
+    _read_table.cache_clear()
+    _validated_choice.cache_clear()
+
+
+@contextlib.contextmanager
+def table_override(value: str) -> Iterator[None]:
+    """Dispatch with ``value`` as if ``VLLM_ROUTER_EXT_TABLE`` held it (``"none"``: the heuristic).
+    The choice is made when a config is selected: a CUDA graph captured inside keeps it."""
+    _validated_choice(value, CONFIG_DIR)
+    _FORCED_TABLE.append(value)
+    try:
+        yield
+    finally:
+        _FORCED_TABLE.pop()
 
 
 #: The fp32 mode's promotion: every FP32_PROMOTE_CHUNKS chunks of BLOCK_K (<= FP32_MAX_BLOCK_K) the
@@ -405,7 +489,7 @@ def select_config(
     # cuBLAS has no fp32-accurate equivalent (and none off-GPU): the heuristic serves those.
     if bucket is not None and not (bucket["kernel"] == "cublas" and (mode == "fp32" or not cublas)):
         params = {p: v for p, v in bucket.items() if p in PARAM_KEYS}
-        return KernelConfig(bucket["kernel"], params, source=f"tuned {device_key(device_name)}")
+        return KernelConfig(bucket["kernel"], params, source=f"tuned {table_label(device_name)}")
     return heuristic_config(
         m, k, n, mode, batch_invariant, sm_count, cublas=cublas, capability=capability, wgmma_ws=wgmma_ws
     )

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,6 +38,31 @@ def test_bench_cli_without_a_gpu_says_so():
         timeout=300,
     )
     assert p.returncode == 2 and "needs a CUDA GPU" in p.stderr
+
+
+def test_bench_cli_names_unknown_methods_and_the_allowed_ones():
+    p = subprocess.run(
+        [sys.executable, "-m", "vllm_router_ext.bench", "--methods", "ours fp32,ours fp64"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 2 and "unknown method(s) ['ours fp64']" in p.stderr
+    assert "'heuristic BI fp32'" in p.stderr
+
+
+def test_bench_heuristic_columns_run_without_the_table(gen):
+    """The benchmark's heuristic columns call the op with the table bypassed, and agree with it."""
+    from csrc_triton.configs import table_choice
+    from vllm_router_ext.bench import METHODS
+
+    x = torch.randn(5, 256, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(16, 256, generator=gen) / 16).to(torch.bfloat16)
+    ref = x.double() @ w.double().T
+    for mode in ("bf16-fp32out", "fp32", "BI bf16-fp32out", "BI fp32"):
+        out = METHODS[f"heuristic {mode}"](x, w, None, None)
+        assert out.dtype == torch.float32 and ((out.double() - ref).norm() / ref.norm()).item() <= 1e-5
+    assert table_choice() is None  # the override ends with the call
 
 
 def test_bench_and_tune_help():

@@ -339,9 +339,7 @@ def test_cuda_graph_replay_equals_eager(mode):
             assert torch.equal(static_out, eager), m
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-@pytest.mark.parametrize("mode", ["bf16-fp32out", "fp32"])
-def test_batch_invariant_needle_eager_and_graphs(shape, mode):
+def _needle_eager_and_graphs(shape, mode):
     needle, w = _xw(1, shape)
     needle = needle.contiguous()
     alone = router_gemm(needle, w, mode, batch_invariant=True)
@@ -363,6 +361,57 @@ def test_batch_invariant_needle_eager_and_graphs(shape, mode):
             torch.cuda.synchronize()
             for pos in positions:
                 assert torch.equal(g_out[pos : pos + 1], alone), (m, pos, "graph")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("mode", ["bf16-fp32out", "fp32"])
+def test_batch_invariant_needle_eager_and_graphs(shape, mode):
+    _needle_eager_and_graphs(shape, mode)
+
+
+#: M at and beside every switch of the heuristic (GEMV, split-K, cuBLAS / pipelined split-K,
+#: wgmma_ws and its 192-wide tiles, tiled; batch invariance: splits summed in one program).
+HEURISTIC_MS = [1, 4, 5, 64, 65, 256, 257, 512, 513, 1023, 1024, 2048, 2049, 8192, 8193]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("mode", ["bf16-fp32out", "fp32", "bf16"])
+def test_heuristic_without_a_table_poisoned_and_accurate(shape, mode):
+    """What a GPU without a tuned table runs (``VLLM_ROUTER_EXT_TABLE=none`` here): every
+    heuristic config at and beside its switch points, poisoned, against fp64, and through the op."""
+    from csrc_triton.configs import table_override
+
+    prec = RouterPrecision(mode)
+    tol = {"fp32": 1e-6, "bf16-fp32out": 1e-5, "bf16": 8e-3}[mode]
+    out_dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    with table_override("none"):
+        for m in HEURISTIC_MS:
+            x, w = _xw(m, shape, row_stride=shape.k + 64)  # non-contiguous rows
+            cfg = config_for(x, w, prec, False)
+            assert cfg.source == "heuristic", cfg
+            out = torch.full((m, shape.n), float("nan"), dtype=out_dtype, device="cuda")
+            res = run_config(
+                cfg, x.contiguous() if cfg.kernel == "cublas" else x, w, out, dot_mode_for(x.dtype, w.dtype)
+            )
+            assert not res.isnan().any() and _rel(res, x, w) <= tol, (m, cfg.describe())
+            via_op = router_gemm(x, w, mode)
+            assert via_op.dtype == out_dtype and _rel(via_op, x, w) <= tol, (m, cfg.describe())
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("mode", ["bf16-fp32out", "fp32"])
+def test_heuristic_batch_invariant_needle_eager_and_graphs(shape, mode):
+    """The needle test on the heuristic's batch-invariant configs (no tuned table), and the
+    start-up self-check's probes for them."""
+    from csrc_triton.configs import table_override
+    from vllm_router_ext.selfcheck import check_batch_invariance, probe_sizes
+
+    with table_override("none"):
+        _needle_eager_and_graphs(shape, mode)
+        w = _xw(1, shape)[1]
+        sizes = probe_sizes(w, RouterPrecision(mode))
+        assert 256 in sizes and 257 in sizes  # the heuristic's switch to splits in one program
+        check_batch_invariance(lambda x, w: router_gemm(x, w, mode, batch_invariant=True), w, sizes=sizes)
 
 
 def test_selfcheck_passes_on_the_invariant_kernel_and_refuses_a_variant_one():

@@ -179,3 +179,32 @@ def test_missing_vllm_api_gives_one_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.fused_moe.router.gate_linear", None)
     with pytest.raises(ImportError, match=f"needs vLLM >= {MIN_VLLM}"):
         _plugin._check_vllm()
+
+
+def test_a_bad_table_override_stops_the_model_build(vllm_dist, monkeypatch):
+    """VLLM_ROUTER_EXT_TABLE is checked when the DeepSeek override is built (on every device),
+    before any weight is loaded or request served."""
+    from types import SimpleNamespace
+
+    from csrc_triton.configs import TABLE_ENV_VAR, clear_table_cache
+    from vllm_router_ext.models.deepseek_v2 import RouterPrecisionMixin
+
+    built = []
+
+    class Base(torch.nn.Module):
+        def __init__(self, *, vllm_config, prefix=""):
+            super().__init__()
+            built.append(prefix)
+
+    class Model(RouterPrecisionMixin, Base):
+        pass
+
+    hf_config = SimpleNamespace(architectures=["DeepseekV3ForCausalLM"])
+    config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config), additional_config={})
+    clear_table_cache()
+    monkeypatch.setenv(TABLE_ENV_VAR, "nvidia_h200")
+    Model(vllm_config=config, prefix="ok")
+    monkeypatch.setenv(TABLE_ENV_VAR, "h200")
+    with pytest.raises(ValueError, match=r"VLLM_ROUTER_EXT_TABLE='h200' is not a tuned table; allowed: none"):
+        Model(vllm_config=config, prefix="bad")
+    assert built == ["ok"]

@@ -50,6 +50,30 @@ METHODS = {  # each called as fn(x, w, w32, w32_terms)
     "F.linear bf16": lambda x, w, *_: F.linear(x, w),
 }
 BASELINE = "cuBLAS mm out_dtype=fp32"
+DEFAULT_METHODS = list(METHODS)
+
+
+def _heuristic(mode: str, batch_invariant: bool = False):
+    """Our op without a tuned table (what a GPU without one runs): the table is bypassed while
+    the graph is captured, so the replays run the heuristic's kernels."""
+    from csrc_triton.configs import table_override
+
+    def call(x, w, *_):
+        with table_override("none"):
+            return router_gemm(x, w, mode, batch_invariant=batch_invariant)
+
+    return call
+
+
+# Not in the default run (``--methods`` names them): the heuristic beside the table.
+METHODS.update(
+    {
+        "heuristic bf16-fp32out": _heuristic("bf16-fp32out"),
+        "heuristic fp32": _heuristic("fp32"),
+        "heuristic BI bf16-fp32out": _heuristic("bf16-fp32out", True),
+        "heuristic BI fp32": _heuristic("fp32", True),
+    }
+)
 
 
 def environment() -> dict:
@@ -223,12 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench-out")
     p.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
     p.add_argument("--m", default=",".join(map(str, M_LIST)))
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"from: {', '.join(METHODS)}")
     p.add_argument("--skip-accuracy", action="store_true")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("the benchmark needs a CUDA GPU", file=sys.stderr)
-        return 2
     names = args.shapes.split(",")
     unknown = [n for n in names if n not in {s.name for s in SHAPES}]
     if unknown:
@@ -236,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shapes = [s for s in SHAPES if s.name in names]
     methods = args.methods.split(",")
+    if unknown := [n for n in methods if n not in METHODS]:
+        print(f"unknown method(s) {unknown}; allowed: {list(METHODS)}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("the benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment()

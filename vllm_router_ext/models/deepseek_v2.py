@@ -59,9 +59,11 @@ class RouterPrecisionMixin:
     """Mixed in front of an in-tree DeepSeek-family ``*ForCausalLM``."""
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        from csrc_triton.configs import table_choice
         from vllm_router_ext.layers.gate import router_settings_scope
 
         settings = resolve_router_settings(vllm_config)
+        table_choice()  # a bad VLLM_ROUTER_EXT_TABLE stops the start-up here, naming the allowed values
         for source, value in settings.overridden:
             logger.warning(
                 "vllm-router-ext: conflicting settings: %s from %s overrides %s from %s",

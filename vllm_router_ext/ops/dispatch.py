@@ -315,7 +315,7 @@ def describe_cuda_dispatch(
     precision: RouterPrecision, batch_invariant: bool, weight_dtype: torch.dtype, k: int, n: int
 ) -> str:
     """One line for the start-up log: which kernels run on this GPU for a [n, k] gate, by M."""
-    from csrc_triton.configs import load_table, select_config
+    from csrc_triton.configs import TABLE_ENV_VAR, load_table, select_config, table_label, table_name
 
     name, sms, cap = _device_info(torch.cuda.current_device())
     dot = {0: "16-bit MMA", 1: "fp32 weight split into 3 bf16 MMAs", 2: "IEEE fp32 dot"}[
@@ -362,7 +362,12 @@ def describe_cuda_dispatch(
         else f"{label.get(kernel, 'cuBLAS')} above"
         for i, (kernel, _, last) in enumerate(ranges)
     ]
-    tuned = "tuned table" if load_table(name).get("shapes", {}).get(f"{k}x{n}") else "heuristic configs"
+    if load_table(name).get("shapes", {}).get(f"{k}x{n}"):
+        tuned = f"tuned table {table_label(name)}"
+    elif table_name(name) is None:
+        tuned = f"heuristic configs: {TABLE_ENV_VAR}=none"
+    else:
+        tuned = f"heuristic configs: no {k}x{n} entry in table {table_label(name)}"
     promo = ", promoted fp32 accumulation" if precision is RouterPrecision.FP32 else ""
     terms = ""
     if precision is RouterPrecision.FP32 and weight_dtype == torch.float32:
