@@ -287,9 +287,25 @@ def tune_shape(
 #: K structures a batch-invariant config may fix: (k_per_split, block_k, fixed_point); promotion
 #: follows the mode. Split sums in split order (float) or exact in fixed point: the fixed-point
 #: sum takes one atomic round trip instead of a ticket's three (faster at 1-16 tokens) but costs
-#: 64-bit conversions per split (slower from 256 tokens on the H200). The structure with the
-#: smallest worst ratio to the fastest non-invariant path over BI_M is kept.
-BI_K_STRUCTURES = [(512, 128, False), (1024, 128, False), (256, 128, True), (512, 128, True)]
+#: 64-bit conversions per split (slower from 256 tokens on the H200). K split 256 in split order
+#: (the Hopper heuristic's, session 12): twice the programs at small M, a second launch with PDL
+#: adding 28 partials. The structure kept is the one whose worst ratio to the fastest
+#: non-invariant path over BI_M, each ratio divided by the issue's limit at that M (1.5x up to 256
+#: tokens, 2x above: ``bi_limit``), is smallest.
+BI_K_STRUCTURES = [
+    (256, 128, False),
+    (512, 128, False),
+    (1024, 128, False),
+    (256, 128, True),
+    (512, 128, True),
+]
+
+
+def bi_limit(m: int) -> float:
+    """The batch-invariant cost limit at M (issue #5): 1.5x the fastest path to 256 tokens, 2x above."""
+    return 1.5 if m <= 256 else 2.0
+
+
 #: (block_m, block_n, num_warps, num_stages, form, block_k or None = the structure's); form:
 #: "split" (a program per split: ticket, or one fixed-point atomic per logit and split),
 #: "ticket" (fixed point only: integer partials, the tile's last program adds them: fewer atomics
@@ -322,16 +338,22 @@ BI_TILES = [
 BI_M = (1, 16, 64, 256, 512, 1024, 2048, 4096, 16384)
 
 
-def bi_structures(mode: str, sums: str = "both") -> list[tuple[int, int, bool]]:
+def bi_structures(
+    mode: str, sums: str = "both", k_splits: tuple[int, ...] | None = None
+) -> list[tuple[int, int, bool]]:
     """The K structures (k_per_split, block_k, fixed_point) a batch-invariant retune compares in
-    ``mode``: ``sums`` keeps the split-order ones, the fixed-point ones or both."""
+    ``mode``: ``sums`` keeps the split-order ones, the fixed-point ones or both; ``k_splits``
+    (None = all) the K splits."""
     if sums not in ("both", "split-order", "fixed-point"):
         raise ValueError(f"sums={sums!r}; allowed: both, split-order, fixed-point")
+    known = sorted({kps for kps, _, _ in BI_K_STRUCTURES})
+    if k_splits is not None and (bad := sorted(set(k_splits) - set(known))):
+        raise ValueError(f"K split(s) {bad} not among the batch-invariant structures; allowed: {known}")
     return sorted(
         {
             (kps, min(bk, FP32_MAX_BLOCK_K) if mode == "fp32" else bk, fixed)
             for kps, bk, fixed in BI_K_STRUCTURES
-            if sums == "both" or fixed == (sums == "fixed-point")
+            if (sums == "both" or fixed == (sums == "fixed-point")) and (k_splits is None or kps in k_splits)
         }
     )
 
@@ -378,20 +400,25 @@ def _fastest_non_invariant(shape, mode: str, m: int, xs, ws) -> float:
 
 
 def tune_batch_invariant(
-    shape, mode: str, old: list[dict] | None = None, ms=BI_M, sums: str = "both"
+    shape,
+    mode: str,
+    old: list[dict] | None = None,
+    ms=BI_M,
+    sums: str = "both",
+    k_splits: tuple[int, ...] | None = None,
 ) -> list[dict]:
     """Per M, the fastest tiles among configs that share one K structure *and* give bitwise the
     same logits as that structure's reference config on the same input (checked here).
     With ``old`` (``--bi-only --m ...`` on a merged table): keep its K structure, retime only
     ``ms`` and merge them into its buckets. ``sums``: which K structures to compare ("split-order",
-    "fixed-point" or "both")."""
+    "fixed-point" or "both"), ``k_splits`` which K splits (None: all)."""
     inputs = {m: make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m) for m in ms}
     best = {m: _fastest_non_invariant(shape, mode, m, *inputs[m]) for m in ms}
     probe_x = torch.randn(300, shape.k, device="cuda").to(torch.bfloat16)
     probe_w = inputs[ms[0]][1][0]
     dot_mode = dot_mode_for(probe_x.dtype, probe_w.dtype)
     choices = []
-    structures = bi_structures(mode, sums)
+    structures = bi_structures(mode, sums, k_splits)
     if old:  # keep the table's K split and kind of sum; BLOCK_K is the reference tile's
         structures = [(old[0]["k_per_split"], 128, bool(old[0].get("fixed_point")))]
     for structure in structures:
@@ -416,12 +443,15 @@ def tune_batch_invariant(
             fits = [c for c in admitted if _bi_fits(c, m)]
             timed = sorted(((time_config(c, *inputs[m], mode), c) for c in fits), key=lambda r: r[0])
             per_m[m] = fastest_launch_form(timed, *inputs[m], mode)
-        worst = max(per_m[m][0] / best[m] for m in ms)
+        worst = max(per_m[m][0] / best[m] / bi_limit(m) for m in ms)
         choices.append((worst, structure, per_m))
+        timings = " ".join(f"M={m}:{t:.2f}/{best[m]:.2f}" for m, (t, _) in per_m.items())
+        kind = "fixed-point" if structure[2] else "split-order"
+        print(f"    K split {structure[0]}, {kind} sum: worst {worst:.2f} of the limit; {timings}")
     worst, (kps, _, fixed), per_m = min(choices, key=lambda c: c[0])
     print(
         f"  {shape.name} {mode} batch-invariant: K split {kps}, {'fixed-point' if fixed else 'split-order'} "
-        f"sum, worst ratio {worst:.2f} vs fastest "
+        f"sum, worst {worst:.2f} of the limit (1.5x to 256 tokens, 2x above) vs fastest "
         + " ".join(f"M={m}:{t:.2f}/{best[m]:.2f}" for m, (t, _) in per_m.items()),
         flush=True,
     )
@@ -618,6 +648,12 @@ def main(argv: list[str] | None = None) -> int:
         default="both",
         help="which kinds of batch-invariant split sum to compare (each doubles the time)",
     )
+    p.add_argument(
+        "--bi-k-splits",
+        type=lambda v: tuple(int(k) for k in v.split(",")),
+        default=None,
+        help="batch-invariant K splits to compare, e.g. 256,512 (default: every structure's)",
+    )
     args = p.parse_args(argv)
     if (args.targeted or args.refine_split_sum) and not args.merge:
         p.error("--targeted and --refine-split-sum need --merge TABLE")
@@ -673,7 +709,7 @@ def _tune_shapes(args: argparse.Namespace, table: dict, out: Path, ms: list[int]
             if args.bi_only and not bi_default_m:  # retune these M, keep the K structure
                 entry[key] = tune_batch_invariant(shape, mode, entry[key], ms)
             else:
-                entry[key] = tune_batch_invariant(shape, mode, sums=args.bi_sums)
+                entry[key] = tune_batch_invariant(shape, mode, sums=args.bi_sums, k_splits=args.bi_k_splits)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(table, indent=1))  # keep what is done if the run is cut short
         print(f"[tune] {shape.name} done at {time.time() - t0:.0f}s", flush=True)

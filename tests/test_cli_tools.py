@@ -182,6 +182,10 @@ def test_tuner_merges_a_partial_retune_into_the_table_buckets():
         tune.merge_buckets([], {32: (7.0, new_cfg)}, (16, 32))  # nothing to keep for M=16
     with pytest.raises(ValueError, match="sums='both-ish'"):
         tune.bi_structures("fp32", "both-ish")
+    assert tune.bi_structures("fp32", "split-order", (256, 512)) == [(256, 128, False), (512, 128, False)]
+    with pytest.raises(ValueError, match=r"K split\(s\) \[384\] not among .* allowed: \[256, 512, 1024\]"):
+        tune.bi_structures("fp32", "both", (256, 384))
+    assert [tune.bi_limit(m) for m in (1, 256, 257, 16384)] == [1.5, 1.5, 2.0, 2.0]
 
 
 def test_tuner_keeps_the_fastest_triton_buckets_beside_wgmma_ws():
