@@ -344,16 +344,19 @@ def heuristic_config(
     cublas: bool = False,
     capability: int = 90,
     wgmma_ws: bool | None = None,
+    fp32_weight: bool = False,
 ) -> KernelConfig:
     """Default for shapes and GPUs without a tuned table (the H200 probe's winners, generalised).
     Up to 4 tokens: the FMA GEMV, one K split. Up to 64: unrolled split-K with >= 2 programs per
     SM. Above 64 the 16-bit modes go to cuBLAS where it exists (on the H200 our kernels never beat
     it there); the fp32 mode has no cuBLAS equivalent and takes pipelined split-K / tiled kernels.
-    Batch-invariant: one K structure and one tile for every M; above 256 tokens the same splits
-    run inside one program per tile (``splits_in_program``: bitwise the same sums, no partials in
-    memory), software-pipelined. The split partials are added in split order: the exact
-    fixed-point sum (``fixed_point``) is faster at 1-16 tokens but measured 1.3-2.5x slower from
-    256 tokens on the H200 (docs/benchmarks.md), so only a tuned table selects it.
+    Batch-invariant: one K structure for every M; above 256 tokens the same splits run inside one
+    program per tile (``splits_in_program``: bitwise the same sums, no partials in memory),
+    software-pipelined, in tiles that grow with M on Hopper and later (``fp32_weight``: a
+    genuinely fp32 gate weight, which keeps the smaller tile). The split partials are added in
+    split order: the exact fixed-point sum (``fixed_point``) is faster at 1-16 tokens but
+    measured 1.3-2.5x slower from 256 tokens on the H200 (docs/benchmarks.md), so only a tuned
+    table selects it.
     ``capability`` (compute capability x10): below 90 (no wgmma) the fp32 mode's promoted
     128x128 tiles need two register accumulators of 64 values per thread beside the mma.sync
     operands and spill (sm_80 / sm_89 compile, ``python -m vllm_router_ext.testing.aot``), so
@@ -366,7 +369,9 @@ def heuristic_config(
     launched with PDL (``split_sum_variants``): on the H200 that form won 48 of the 53 such table
     buckets above 16 tokens and timed like the ticket below (docs/benchmarks.md, session 11); the
     ``wgmma_ws`` sum stays a plain launch (PDL was slower there on full launches)."""
-    cfg = _heuristic_kernel(m, k, n, mode, batch_invariant, sm_count, cublas, capability, wgmma_ws)
+    cfg = _heuristic_kernel(
+        m, k, n, mode, batch_invariant, sm_count, cublas, capability, wgmma_ws, fp32_weight
+    )
     if capability // 10 == 9 and cfg.kernel == "splitk" and (forms := split_sum_variants(cfg, k)):
         return forms[-1]  # partials, then their split-order sum as a programmatic dependent launch
     return cfg
@@ -382,6 +387,7 @@ def _heuristic_kernel(
     cublas: bool,
     capability: int,
     wgmma_ws: bool | None,
+    fp32_weight: bool = False,
 ) -> KernelConfig:
     """:func:`heuristic_config`'s kernel, tiles and K split."""
     fp32 = mode == "fp32"
@@ -413,16 +419,19 @@ def _heuristic_kernel(
         k_per_split = max(256, -(-k // splits + 255) // 256 * 256)
         if batch_invariant and m > BI_SPLITS_IN_PROGRAM_FROM:
             # On Hopper and later (>= 227 KB of shared memory) tiles grow with M (the K
-            # structure does not), as the H200 table's do on every shape: 64 x 32 to 1024
-            # tokens, 64 x 64 to 4096, then 128 x 128 with 8 warps (64 x 64 for 64 experts).
-            # One 64 x 32 tile for every M measured 1.5-2.9x the fastest path at 16384 tokens
-            # on the H200 (bench-h200-27b1408-heuristic.json). Older GPUs keep it: three
-            # stages of larger tiles overflow the A100's / L40S's shared memory.
+            # structure does not), as the H200 table's do: 64 x 64 above 1024 tokens, 128 x 128
+            # with 8 warps above 4096 (64 experts: 64 x 64). One 64 x 32 tile for every M
+            # measured 1.5-2.9x the fastest path at 16384 tokens on the H200
+            # (bench-h200-27b1408-heuristic.json; e87236d's in docs/benchmarks.md). An fp32 gate
+            # weight keeps 64 x 32 below 128 x 128: its 64 x 64 tile with 4 warps spills 64
+            # bytes in the sm_90 compile. Older GPUs keep one tile: three stages of larger ones
+            # overflow the A100's / L40S's shared memory.
             warps = 4
-            if capability >= 90 and m > 4096 and n > 64:
-                block_m, block_n, warps = 128, 128, 8
-            elif capability >= 90 and m > 1024:
-                block_n = 64
+            if capability >= 90 and m > 1024:
+                if m > 4096 and n > 64:
+                    block_m, block_n, warps = 128, 128, 8
+                elif not fp32_weight:
+                    block_n = 64
             return splitk_config(
                 block_m, block_n, 128, k_per_split, mode, warps, num_stages=3, splits_in_program=True
             )
@@ -486,11 +495,13 @@ def select_config(
     cublas: bool = True,
     capability: int = 90,
     wgmma_ws: bool | None = None,
+    fp32_weight: bool = False,
 ) -> KernelConfig:
     """The config for M: the device's tuned table if it has this shape and mode, else the
     heuristic. ``wgmma_ws=False``: a Triton kernel where the ``wgmma_ws`` kernel cannot run (an
     fp32 gate weight, rows TMA cannot read, no Gluon): the table's ``fp32/triton`` buckets (the
-    fastest Triton configs, timed beside it), else the heuristic's."""
+    fastest Triton configs, timed beside it), else the heuristic's. ``fp32_weight``: the gate
+    weight is genuinely fp32 (the heuristic's tiles for it)."""
     table_mode = "fp32" if mode == "fp32" else "bf16-fp32out"
     entry = load_table(device_name).get("shapes", {}).get(f"{k}x{n}", {})
     key = f"{table_mode}/batch_invariant" if batch_invariant else table_mode
@@ -502,5 +513,14 @@ def select_config(
         params = {p: v for p, v in bucket.items() if p in PARAM_KEYS}
         return KernelConfig(bucket["kernel"], params, source=f"tuned {table_label(device_name)}")
     return heuristic_config(
-        m, k, n, mode, batch_invariant, sm_count, cublas=cublas, capability=capability, wgmma_ws=wgmma_ws
+        m,
+        k,
+        n,
+        mode,
+        batch_invariant,
+        sm_count,
+        cublas=cublas,
+        capability=capability,
+        wgmma_ws=wgmma_ws,
+        fp32_weight=fp32_weight,
     )

@@ -447,10 +447,10 @@ def test_heuristic_configs_are_well_formed():
                 if mode != "fp32" and not bi and m > 64:
                     assert with_cublas.kernel == "cublas"
     # Batch invariance: one K structure for every M; above 256 tokens the same splits are summed
-    # inside one program (software-pipelined), in tiles that grow with M on Hopper (64 x 32, then
-    # 64 x 64 above 1024 tokens, 128 x 128 with 8 warps above 4096; 64 x 64 for 64 experts) and
-    # stay 64 x 32 before sm_90. On Hopper the small-M form's split sum is a second kernel
-    # launched with PDL (same adds).
+    # inside one program (software-pipelined), in tiles that grow with M on Hopper and later
+    # (64 x 64 above 1024 tokens, 128 x 128 with 8 warps above 4096, 64 x 64 for 64 experts; a
+    # genuinely fp32 weight keeps 64 x 32 below 128 x 128) and stay 64 x 32 before sm_90. On
+    # Hopper the small-M form's split sum is a second kernel launched with PDL (same adds).
     structure = ("block_k", "k_per_split", "promote_chunks")
     for mode in ("fp32", "bf16-fp32out"):
         small = {heuristic_config(m, 7168, 256, mode, True, 132) for m in (1, 17, 256)}
@@ -458,12 +458,13 @@ def test_heuristic_configs_are_well_formed():
         (s,) = small
         assert s.params["ticket"] is False and s.params["pdl"] is True
         launch = {k: v for k, v in s.params.items() if k not in ("ticket", "pdl")}
-        for m, tile, cap in (
-            (257, (64, 32, 4), 90), (1024, (64, 32, 4), 90), (1025, (64, 64, 4), 90), (4096, (64, 64, 4), 90),
-            (4097, (128, 128, 8), 90), (16384, (128, 128, 8), 90), (16384, (64, 32, 4), 80),
-            (16384, (64, 32, 4), 89), (16384, (128, 128, 8), 100),
+        for m, tile, cap, fp32_weight in (
+            (257, (64, 32, 4), 90, False), (1024, (64, 32, 4), 90, False), (1025, (64, 64, 4), 90, False),
+            (4096, (64, 64, 4), 90, False), (4096, (64, 32, 4), 90, True), (4097, (128, 128, 8), 90, False),
+            (16384, (128, 128, 8), 90, True), (16384, (64, 32, 4), 80, False),
+            (16384, (64, 32, 4), 89, False), (16384, (128, 128, 8), 100, False),
         ):  # fmt: skip
-            g = heuristic_config(m, 7168, 256, mode, True, 132, capability=cap)
+            g = heuristic_config(m, 7168, 256, mode, True, 132, capability=cap, fp32_weight=fp32_weight)
             assert (g.params["block_m"], g.params["block_n"], g.params["num_warps"]) == tile, (m, cap)
             assert g.params["splits_in_program"] and g.params["num_stages"] == 3
             assert {p: g.params[p] for p in structure} == {p: launch[p] for p in structure}

@@ -67,6 +67,7 @@ def config_for(x: torch.Tensor, weight: torch.Tensor, precision: RouterPrecision
         sms,
         cublas=x.is_cuda,
         capability=cap,
+        fp32_weight=weight.dtype == torch.float32,
     )
 
 
@@ -158,13 +159,16 @@ def _wgmma_ws_fallback(
 
     m, k = x.shape
     name, sms = _device_info(x.device.index or 0)[:2] if x.is_cuda else ("cpu-interpreter", 132)
+    fp32_weight = weight.dtype == torch.float32
     fallback = select_config(
-        m, k, weight.shape[0], "fp32", False, name, sms, capability=capability, wgmma_ws=False
-    )
+        m, k, weight.shape[0], "fp32", False, name, sms, capability=capability, wgmma_ws=False,
+        fp32_weight=fp32_weight,
+    )  # fmt: skip
     if fallback.kernel == "wgmma_ws":  # a hand-edited table's fp32/triton: never loop back here
         fallback = heuristic_config(
-            m, k, weight.shape[0], "fp32", False, sms, capability=capability, wgmma_ws=False
-        )
+            m, k, weight.shape[0], "fp32", False, sms, capability=capability, wgmma_ws=False,
+            fp32_weight=fp32_weight,
+        )  # fmt: skip
     if reason is not None and reason not in _WGMMA_WS_FALLBACKS:
         _WGMMA_WS_FALLBACKS.add(reason)
         logger.info(

@@ -129,8 +129,9 @@ def configs_to_compile(
         for bi in (False, True) if mode is not RouterPrecision.BF16 else (False,):
             for m in M_POINTS:
                 cfg = select_config(
-                    m, shape.k, shape.n, mode.value, bi, device_name, sm_count, capability=arch
-                )
+                    m, shape.k, shape.n, mode.value, bi, device_name, sm_count, capability=arch,
+                    fp32_weight=w_dtype == torch.float32,
+                )  # fmt: skip
                 if cfg.kernel != "cublas" and (mode, w_dtype, cfg) not in seen:
                     w_name = "" if w_dtype is torch.bfloat16 else ", fp32 weight"
                     label = f"{shape.name} {mode.value}{w_name}{' batch-invariant' if bi else ''} M={m}"
