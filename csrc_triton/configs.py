@@ -105,8 +105,14 @@ def table_choice() -> str | None:
     """The validated table override: None (the GPU's own table), ``"none"``, a shipped table's name
     or a JSON path. Raises ValueError naming the bad value and the allowed ones (checked when a
     model is built, so a typo stops the start-up, not a serving step)."""
-    value = _FORCED_TABLE[-1] if _FORCED_TABLE else os.environ.get(TABLE_ENV_VAR, "").strip()
+    value = _FORCED_TABLE[-1] if _FORCED_TABLE else _env_table()
     return _validated_choice(value, CONFIG_DIR) if value else None
+
+
+@functools.cache
+def _env_table() -> str:
+    # Read once per process (the dispatch asks on every call); clear_table_cache() re-reads it.
+    return os.environ.get(TABLE_ENV_VAR, "").strip()
 
 
 @functools.cache
@@ -158,9 +164,11 @@ def _read_table(name: str, config_dir: Path) -> dict[str, Any]:
 
 
 def clear_table_cache() -> None:
-    """Forget tables read so far (the tuner rewrites its table while it runs)."""
+    """Forget tables read so far and re-read ``VLLM_ROUTER_EXT_TABLE`` (the tuner rewrites its
+    table while it runs; tests change the variable)."""
     _read_table.cache_clear()
     _validated_choice.cache_clear()
+    _env_table.cache_clear()
 
 
 @contextlib.contextmanager

@@ -36,6 +36,23 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def table_env(monkeypatch):
+    """``table_env(value)`` sets VLLM_ROUTER_EXT_TABLE (None: unset) and makes the dispatch re-read
+    it; the variable and the cache are restored afterwards."""
+    import csrc_triton.configs as c
+
+    def set_table(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(c.TABLE_ENV_VAR, raising=False)
+        else:
+            monkeypatch.setenv(c.TABLE_ENV_VAR, value)
+        c.clear_table_cache()
+
+    yield set_table
+    c.clear_table_cache()  # monkeypatch restores the variable after this; it is read lazily
+
+
+@pytest.fixture
 def gen():
     """A fresh, seeded-from-entropy generator per test; the seed is printed on failure."""
     seed = int.from_bytes(os.urandom(4), "little")

@@ -693,15 +693,14 @@ def test_startup_description_of_the_cuda_dispatch(monkeypatch):
     assert "heuristic configs" in text
 
 
-def test_table_override_picks_a_table_or_the_heuristic(monkeypatch, tmp_path):
+def test_table_override_picks_a_table_or_the_heuristic(table_env, tmp_path):
     """VLLM_ROUTER_EXT_TABLE: unset = the GPU's own table (none for an H100), a shipped table by
     name, ``none`` = the heuristic, a JSON path; a bad value names itself and the allowed ones;
     ``table_override`` (the benchmark's heuristic columns) wins over the variable."""
     import csrc_triton.configs as c
 
     h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
-    monkeypatch.delenv(c.TABLE_ENV_VAR, raising=False)
-    c.clear_table_cache()
+    table_env(None)
 
     def pick(device: str, m: int = 300, mode: str = "fp32", bi: bool = False) -> KernelConfig:
         return select_config(m, 7168, 256, mode, bi, device, 132)
@@ -710,17 +709,17 @@ def test_table_override_picks_a_table_or_the_heuristic(monkeypatch, tmp_path):
     assert pick(h100) == heuristic and c.table_name(h100) == "nvidia_h100_80gb_hbm3"
     tuned = pick(h200)
     assert tuned.source == "tuned nvidia_h200" and tuned != heuristic
-    monkeypatch.setenv(c.TABLE_ENV_VAR, "nvidia_h200")
+    table_env("nvidia_h200")
     on_h100 = pick(h100)
     assert on_h100.params == tuned.params and on_h100.source == "tuned nvidia_h200 (VLLM_ROUTER_EXT_TABLE)"
     assert pick(h100, 1, bi=True).params == pick(h200, 1, bi=True).params
-    monkeypatch.setenv(c.TABLE_ENV_VAR, "none")
+    table_env("none")
     assert pick(h200) == heuristic and c.load_table(h200) == {}
     assert c.table_label(h200) == "none (heuristic)"
     own = tmp_path / "my_gpu.json"
     bucket = dict(max_m=None, kernel="splitk", block_m=16, block_n=16, block_k=128, k_per_split=1024)
     own.write_text(json.dumps({"shapes": {"7168x256": {"fp32": [bucket]}}}))
-    monkeypatch.setenv(c.TABLE_ENV_VAR, str(own))
+    table_env(str(own))
     assert pick(h100).params["k_per_split"] == 1024 and "my_gpu.json" in pick(h100).source
     assert pick(h100, mode="bf16-fp32out").kernel == "cublas"  # no such mode in the file: the heuristic
     with c.table_override("nvidia_h200"):
@@ -730,36 +729,34 @@ def test_table_override_picks_a_table_or_the_heuristic(monkeypatch, tmp_path):
         ("nvidia_h100", "'nvidia_h100' is not a tuned table; allowed: none, nvidia_h200, a path"),
         (str(tmp_path / "missing.json"), "no such file"),
     ):
-        monkeypatch.setenv(c.TABLE_ENV_VAR, bad)
+        table_env(bad)
         with pytest.raises(ValueError, match=re.escape(message)):
             pick(h200)
         with pytest.raises(ValueError, match="VLLM_ROUTER_EXT_TABLE"):
             c.table_choice()
     (tmp_path / "list.json").write_text("[]")
-    monkeypatch.setenv(c.TABLE_ENV_VAR, str(tmp_path / "list.json"))
+    table_env(str(tmp_path / "list.json"))
     with pytest.raises(ValueError, match="not a tuned table"):
         pick(h200)
-    monkeypatch.delenv(c.TABLE_ENV_VAR)
+    table_env(None)
     with pytest.raises(ValueError, match="allowed: none"), c.table_override("h200"):
         pass
-    c.clear_table_cache()
 
 
-def test_startup_description_names_the_table_override(monkeypatch):
-    import csrc_triton.configs as c
+def test_startup_description_names_the_table_override(monkeypatch, table_env):
     import vllm_router_ext.ops.dispatch as d
 
     monkeypatch.setattr(d, "_device_info", lambda index: ("NVIDIA H100 80GB HBM3", 132, 90))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.delenv(c.TABLE_ENV_VAR, raising=False)
+    table_env(None)
     text = d.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.bfloat16, 7168, 256)
     assert text.endswith("heuristic configs: no 7168x256 entry in table nvidia_h100_80gb_hbm3)"), text
-    monkeypatch.setenv(c.TABLE_ENV_VAR, "nvidia_h200")
+    table_env("nvidia_h200")
     text = d.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.bfloat16, 7168, 256)
     assert text.endswith("tuned table nvidia_h200 (VLLM_ROUTER_EXT_TABLE))"), text
     text = d.describe_cuda_dispatch(RouterPrecision.FP32, True, torch.bfloat16, 7168, 256)
     assert "tuned nvidia_h200 (VLLM_ROUTER_EXT_TABLE)" in text
-    monkeypatch.setenv(c.TABLE_ENV_VAR, "none")
+    table_env("none")
     text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, False, torch.bfloat16, 7168, 256)
     assert text.endswith("heuristic configs: VLLM_ROUTER_EXT_TABLE=none)"), text
 

@@ -181,12 +181,11 @@ def test_missing_vllm_api_gives_one_clear_error(monkeypatch):
         _plugin._check_vllm()
 
 
-def test_a_bad_table_override_stops_the_model_build(vllm_dist, monkeypatch):
+def test_a_bad_table_override_stops_the_model_build(vllm_dist, table_env):
     """VLLM_ROUTER_EXT_TABLE is checked when the DeepSeek override is built (on every device),
     before any weight is loaded or request served."""
     from types import SimpleNamespace
 
-    from csrc_triton.configs import TABLE_ENV_VAR, clear_table_cache
     from vllm_router_ext.models.deepseek_v2 import RouterPrecisionMixin
 
     built = []
@@ -201,10 +200,9 @@ def test_a_bad_table_override_stops_the_model_build(vllm_dist, monkeypatch):
 
     hf_config = SimpleNamespace(architectures=["DeepseekV3ForCausalLM"])
     config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config), additional_config={})
-    clear_table_cache()
-    monkeypatch.setenv(TABLE_ENV_VAR, "nvidia_h200")
+    table_env("nvidia_h200")
     Model(vllm_config=config, prefix="ok")
-    monkeypatch.setenv(TABLE_ENV_VAR, "h200")
+    table_env("h200")
     with pytest.raises(ValueError, match=r"VLLM_ROUTER_EXT_TABLE='h200' is not a tuned table; allowed: none"):
         Model(vllm_config=config, prefix="bad")
     assert built == ["ok"]
