@@ -29,6 +29,7 @@ from csrc_triton.configs import (  # noqa: E402
     PARAM_KEYS,
     KernelConfig,
     bucket_for,
+    clear_table_cache,
     device_key,
     fp32_promote_chunks,
     pipelined_splitk_config,
@@ -611,13 +612,6 @@ def refine_table_split_sums(shape, key: str, old: list[dict], ms) -> list[dict]:
     return merge_buckets(old, new, sorted(set(ms) | set(M_LIST)))
 
 
-def _reload_table() -> None:
-    """Make the dispatch see the table being written (the BI tuning compares against it)."""
-    import csrc_triton.configs as configs
-
-    configs.clear_table_cache()
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
@@ -704,7 +698,7 @@ def _tune_shapes(args: argparse.Namespace, table: dict, out: Path, ms: list[int]
                 out.write_text(json.dumps(table, indent=1))
             if args.no_bi:
                 continue
-            _reload_table()
+            clear_table_cache()  # the BI tuning compares against the table being written
             key = f"{mode}/batch_invariant"
             if args.bi_only and not bi_default_m:  # retune these M, keep the K structure
                 entry[key] = tune_batch_invariant(shape, mode, entry[key], ms)

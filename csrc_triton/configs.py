@@ -115,11 +115,16 @@ def _env_table() -> str:
     return os.environ.get(TABLE_ENV_VAR, "").strip()
 
 
+def _is_path(value: str) -> bool:
+    """A table override that names a file rather than a shipped table."""
+    return value.endswith(".json") or os.sep in value
+
+
 @functools.cache
 def _validated_choice(value: str, config_dir: Path) -> str:
     if value.lower() == "none":
         return "none"
-    if value.endswith(".json") or os.sep in value:
+    if _is_path(value):
         if not Path(value).is_file():
             raise ValueError(f"{TABLE_ENV_VAR}={value!r}: no such file (a tuned table's JSON path)")
         return value
@@ -142,7 +147,7 @@ def table_label(device_name: str) -> str:
     name = table_name(device_name)
     if name is None:
         return "none (heuristic)"
-    label = Path(name).name if name.endswith(".json") or os.sep in name else name
+    label = Path(name).name if _is_path(name) else name
     return f"{label} ({TABLE_ENV_VAR})" if table_choice() else label
 
 
@@ -154,7 +159,7 @@ def load_table(device_name: str) -> dict[str, Any]:
 
 @functools.cache
 def _read_table(name: str, config_dir: Path) -> dict[str, Any]:
-    path = Path(name) if name.endswith(".json") or os.sep in name else config_dir / f"{name}.json"
+    path = Path(name) if _is_path(name) else config_dir / f"{name}.json"
     if not path.exists():
         return {}
     table = json.loads(path.read_text())
