@@ -186,6 +186,13 @@ def test_tuner_merges_a_partial_retune_into_the_table_buckets():
     with pytest.raises(ValueError, match=r"K split\(s\) \[384\] not among .* allowed: \[256, 512, 1024\]"):
         tune.bi_structures("fp32", "both", (256, 384))
     assert [tune.bi_limit(m) for m in (1, 256, 257, 16384)] == [1.5, 1.5, 2.0, 2.0]
+    # K structures rank by the M over the limit first, then by the worst ratio to it: the H200's
+    # DeepSeek-V3 case, where 256 tied 512 on the worst point (M=1) but also missed at 1024.
+    fastest = {1: 3.55, 256: 9.52, 1024: 13.23}
+    k256 = tune.bi_rank({1: 6.10, 256: 10.76, 1024: 26.62}, fastest)
+    k512 = tune.bi_rank({1: 6.11, 256: 9.95, 1024: 22.48}, fastest)
+    assert k256[0] == 2 and k512[0] == 1 and k256[1] < k512[1] and min(k256, k512) == k512
+    assert tune.bi_rank({1: 4.0, 512: 8.0}, {1: 4.0, 512: 4.0}) == (0, 1.0)  # at the limit: no miss
 
 
 def test_tuner_keeps_the_fastest_triton_buckets_beside_wgmma_ws():
