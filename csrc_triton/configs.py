@@ -256,8 +256,12 @@ def pipelined_splitk_config(
     return splitk_config(block_m, block_n, block_k, k_per_split, mode, num_warps, num_stages=num_stages)
 
 
-#: Batch-invariant heuristic: above this M, a tile's splits run in one program (same sums).
+#: Batch-invariant heuristic: above this M, a tile's splits run in one program (same sums), except
+#: on Hopper+ while the split partials in memory (M x N x splits) stay below BI_SPLIT_PARTIALS_MAX
+#: and M within BI_SPLIT_TILES_TO: there, pipelined split tiles (more programs) measured faster.
 BI_SPLITS_IN_PROGRAM_FROM = 256
+BI_SPLIT_TILES_TO = 2048
+BI_SPLIT_PARTIALS_MAX = 6 << 20
 
 #: The warp-specialised wgmma kernel (``csrc_triton/router_gemm_wgmma_ws.py``, Hopper only) serves
 #: the fp32 mode from this M: 128-row tiles, 64-wide chunks in chains of 4 (256 along K), 6 TMA
@@ -366,7 +370,9 @@ def heuristic_config(
     Batch-invariant: one K structure for every M; above 256 tokens the same splits run inside one
     program per tile (``splits_in_program``: bitwise the same sums, no partials in memory),
     software-pipelined, in tiles that grow with M on Hopper and later (``fp32_weight``: a
-    genuinely fp32 gate weight, which keeps the smaller tile). The split partials are added in
+    genuinely fp32 gate weight, which keeps the smaller tile); on Hopper+ a program per split
+    still runs above 256 tokens, in pipelined 64 x 64 tiles, while the partials are few
+    (BI_SPLIT_PARTIALS_MAX). The split partials are added in
     split order: the exact fixed-point sum (``fixed_point``) is faster at 1-16 tokens but
     measured 1.3-2.5x slower from 256 tokens on the H200 (docs/benchmarks.md), so only a tuned
     table selects it.
@@ -426,10 +432,21 @@ def _heuristic_kernel(
     if batch_invariant or m <= 64:
         block_m = 64 if batch_invariant else 16
         block_n = 32 if n >= 128 else 16
-        # Split K so that N/BLOCK_N * splits >= 2 * SMs, in multiples of 256.
+        # Split K so that N/BLOCK_N * splits >= 2 * SMs: K / splits rounded down to a multiple of
+        # 256 (more splits, never fewer; 256 on every shape here with 132 SMs).
         n_blocks = -(-n // block_n)
         splits = max(1, min(k // 256, -(-2 * sm_count // n_blocks)))
-        k_per_split = max(256, -(-k // splits + 255) // 256 * 256)
+        k_per_split = max(256, k // splits // 256 * 256)
+        mid_m = BI_SPLITS_IN_PROGRAM_FROM < m <= BI_SPLIT_TILES_TO
+        few_partials = m * n * -(-k // k_per_split) < BI_SPLIT_PARTIALS_MAX
+        if batch_invariant and capability >= 90 and not fp32_weight and mid_m and few_partials:
+            # Hopper+ above 256 tokens: software-pipelined 64 x 64 split tiles, their partials
+            # added by a second launch (PDL), while the partials stay under ~24 MB: where the
+            # H200 table's retunes chose them over one program per tile (every shape at 512,
+            # DeepSeek-V3 / GLM-5 at 768, DeepSeek-V2 at 1024, V2-Lite to 2048; not with 6.3M+
+            # partials: GLM-5 / DeepSeek-V3 at 1024 with K split 256). One program per tile
+            # measured 2.1-2.6x the table at 512 tokens (too few programs).
+            return splitk_config(block_m, 64, 128, k_per_split, mode, 4, num_stages=3)
         if batch_invariant and m > BI_SPLITS_IN_PROGRAM_FROM:
             # On Hopper and later (>= 227 KB of shared memory) tiles grow with M (the K
             # structure does not), as the H200 table's do: 64 x 64 above 1024 tokens, 128 x 128

@@ -449,8 +449,9 @@ def test_heuristic_configs_are_well_formed():
     # Batch invariance: one K structure for every M; above 256 tokens the same splits are summed
     # inside one program (software-pipelined), in tiles that grow with M on Hopper and later
     # (64 x 64 above 1024 tokens, 128 x 128 with 8 warps above 4096, 64 x 64 for 64 experts; a
-    # genuinely fp32 weight keeps 64 x 32 below 128 x 128) and stay 64 x 32 before sm_90. On
-    # Hopper the small-M form's split sum is a second kernel launched with PDL (same adds).
+    # genuinely fp32 weight keeps 64 x 32 below 128 x 128) and stay 64 x 32 before sm_90; on
+    # Hopper+ 257-512 tokens take pipelined 64 x 64 split tiles instead (not an fp32 weight). On
+    # Hopper a split form's sum is a second kernel launched with PDL (same adds).
     structure = ("block_k", "k_per_split", "promote_chunks")
     for mode in ("fp32", "bf16-fp32out"):
         small = {heuristic_config(m, 7168, 256, mode, True, 132) for m in (1, 17, 256)}
@@ -459,7 +460,8 @@ def test_heuristic_configs_are_well_formed():
         assert s.params["ticket"] is False and s.params["pdl"] is True
         launch = {k: v for k, v in s.params.items() if k not in ("ticket", "pdl")}
         for m, tile, cap, fp32_weight in (
-            (257, (64, 32, 4), 90, False), (1024, (64, 32, 4), 90, False), (1025, (64, 64, 4), 90, False),
+            (878, (64, 32, 4), 90, False), (1024, (64, 32, 4), 90, False), (1025, (64, 64, 4), 90, False),
+            (257, (64, 32, 4), 90, True), (257, (64, 32, 4), 89, False),
             (4096, (64, 64, 4), 90, False), (4096, (64, 32, 4), 90, True), (4097, (128, 128, 8), 90, False),
             (16384, (128, 128, 8), 90, True), (16384, (64, 32, 4), 80, False),
             (16384, (64, 32, 4), 89, False), (16384, (128, 128, 8), 100, False),
@@ -468,8 +470,22 @@ def test_heuristic_configs_are_well_formed():
             assert (g.params["block_m"], g.params["block_n"], g.params["num_warps"]) == tile, (m, cap)
             assert g.params["splits_in_program"] and g.params["num_stages"] == 3
             assert {p: g.params[p] for p in structure} == {p: launch[p] for p in structure}
+        for m, splits_in_program in ((2048, False), (2049, True)):  # V2-Lite: few partials to 2048
+            lite = heuristic_config(m, 2048, 64, mode, True, 132)
+            assert lite.params.get("splits_in_program", False) == splits_in_program, m
         lite = heuristic_config(16384, 2048, 64, mode, True, 132)
         assert (lite.params["block_m"], lite.params["block_n"], lite.params["num_warps"]) == (64, 64, 4)
+        # Hopper+ above 256 tokens: split tiles while M x N x splits < 6 x 2^20 partials (28 splits
+        # of 256 here: to 877 tokens), then one program per tile.
+        for m, cap, fp32_weight, split_tiles in (
+            (257, 90, False, True), (512, 90, False, True), (877, 100, False, True), (878, 90, False, False),
+            (257, 90, True, False), (512, 89, False, False), (256, 90, False, False),
+        ):  # fmt: skip
+            g = heuristic_config(m, 7168, 256, mode, True, 132, capability=cap, fp32_weight=fp32_weight)
+            assert {p: g.params[p] for p in structure} == {p: launch[p] for p in structure}
+            assert (g.params["block_n"] == 64 and g.params["num_stages"] == 3) == split_tiles, (m, cap)
+            assert ("splits_in_program" not in g.params) == (split_tiles or m <= 256), (m, cap)
+            assert g.params.get("pdl", False) == (cap // 10 == 9 and "splits_in_program" not in g.params)
         ampere = heuristic_config(1, 7168, 256, mode, True, 108, capability=80)
         assert "ticket" not in ampere.params and "pdl" not in ampere.params  # the one-launch ticket
     # PDL only for cross-program split sums: not the GEMV, cuBLAS, one split or the wgmma_ws sum
@@ -691,6 +707,31 @@ def test_startup_description_of_the_cuda_dispatch(monkeypatch):
     assert "splits summed in one program from M=257 " in text and "heuristic" in text
     text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, False, torch.bfloat16, 1000, 10)
     assert "heuristic configs" in text
+
+
+def test_batch_invariant_buckets_start_where_the_table_or_heuristic_changes(table_env):
+    """The self-check probes M at and below every start of a batch-invariant bucket: the starts
+    must be exact wherever a bucket ends (a table retuned at 768 tokens, the heuristic's switch
+    where the split partials outgrow its limit), not only just above powers of two."""
+    import csrc_triton.configs as c
+    from vllm_router_ext.ops import dispatch as d
+
+    table_env(None)
+    table = c.load_table("NVIDIA H200")["shapes"]
+    for key, entry in table.items():
+        k, n = map(int, key.split("x"))
+        for mode in ("bf16-fp32out", "fp32"):
+            buckets = entry[f"{mode}/batch_invariant"]
+            notes = ("max_m", "us", "fastest_us")
+            launch = [{a: b for a, b in bk.items() if a not in notes} for bk in buckets]
+            ends = [bk["max_m"] for i, bk in enumerate(buckets[:-1]) if launch[i] != launch[i + 1]]
+            expected = [1] + [m + 1 for m in ends]
+            got = [m for m, _ in d._batch_invariant_buckets(k, n, RouterPrecision(mode), "NVIDIA H200", 132)]
+            assert got == expected, (key, mode)
+    # the heuristic (an H100): DeepSeek-V3's split tiles end where M x 256 x 28 reaches 6 x 2^20
+    h100 = d._batch_invariant_buckets(7168, 256, RouterPrecision.FP32, "NVIDIA H100 80GB HBM3", 132)
+    got = [m for m, _ in h100]
+    assert 257 in got and 878 in got and 1025 in got
 
 
 def test_table_override_picks_a_table_or_the_heuristic(table_env, tmp_path):

@@ -289,15 +289,22 @@ def run_fitting_config(
         return result
 
 
+#: Batch-invariant buckets are found by looking up every M to here (the tables' last bucket and
+#: the heuristic's largest threshold, 8192, lie below it).
+BUCKET_SCAN_TO = 16385
+
+
 def _batch_invariant_buckets(
     k: int, n: int, precision: RouterPrecision, name: str, sms: int, cap: int = 90
 ) -> list:
-    """``[(first M, config)]`` of every batch-invariant bucket on this GPU. Buckets start at 1 or
-    just above a power of two (the tables' ``max_m`` values, the heuristic's threshold)."""
+    """``[(first M, config)]`` of every batch-invariant bucket on this GPU: every M up to
+    :data:`BUCKET_SCAN_TO` is looked up (~0.1 s), because a tuned bucket may end at any M (a
+    retune at 768 tokens) and the heuristic switches where the partials outgrow a limit; above it
+    no table or heuristic changes config."""
     from csrc_triton.configs import select_config
 
     buckets: list = []
-    for m in (1, *((1 << i) + 1 for i in range(14))):
+    for m in range(1, BUCKET_SCAN_TO + 1):
         cfg = select_config(m, k, n, precision.value, True, name, sms, capability=cap)
         if not buckets or buckets[-1][1] != cfg:
             buckets.append((m, cfg))
