@@ -437,15 +437,22 @@ def _heuristic_kernel(
         n_blocks = -(-n // block_n)
         splits = max(1, min(k // 256, -(-2 * sm_count // n_blocks)))
         k_per_split = max(256, k // splits // 256 * 256)
-        mid_m = BI_SPLITS_IN_PROGRAM_FROM < m <= BI_SPLIT_TILES_TO
-        few_partials = m * n * -(-k // k_per_split) < BI_SPLIT_PARTIALS_MAX
-        if batch_invariant and capability >= 90 and not fp32_weight and mid_m and few_partials:
-            # Hopper+ above 256 tokens: software-pipelined 64 x 64 split tiles, their partials
-            # added by a second launch (PDL), while the partials stay under ~24 MB: where the
+        split_k = -(-k // k_per_split)
+        wide_programs = -(-m // 64) * -(-n // 64) * split_k
+        if batch_invariant and capability >= 90 and not fp32_weight and (
+            BI_SPLITS_IN_PROGRAM_FROM < m <= BI_SPLIT_TILES_TO
+            and m * n * split_k < BI_SPLIT_PARTIALS_MAX
+            or 64 < m <= BI_SPLITS_IN_PROGRAM_FROM
+            and wide_programs * 2 >= 3 * sm_count
+        ):
+            # Hopper+ software-pipelined 64 x 64 split tiles, their partials added by a second
+            # launch (PDL): above 256 tokens while the partials stay under ~24 MB, where the
             # H200 table's retunes chose them over one program per tile (every shape at 512,
             # DeepSeek-V3 / GLM-5 at 768, DeepSeek-V2 at 1024, V2-Lite to 2048; not with 6.3M+
-            # partials: GLM-5 / DeepSeek-V3 at 1024 with K split 256). One program per tile
-            # measured 2.1-2.6x the table at 512 tokens (too few programs).
+            # partials: GLM-5 / DeepSeek-V3 at 1024 with K split 256); one program per tile
+            # measured 2.1-2.6x the table at 512 tokens. From 65 tokens where they still make
+            # >= 1.5 programs per SM, as the table's DeepSeek-V3 / Kimi-K2 / GLM-5 buckets (the
+            # 64 x 32 unrolled tile measured 1.4-1.85x the table at 256 tokens there).
             return splitk_config(block_m, 64, 128, k_per_split, mode, 4, num_stages=3)
         if batch_invariant and m > BI_SPLITS_IN_PROGRAM_FROM:
             # On Hopper and later (>= 227 KB of shared memory) tiles grow with M (the K

@@ -454,7 +454,7 @@ def test_heuristic_configs_are_well_formed():
     # Hopper a split form's sum is a second kernel launched with PDL (same adds).
     structure = ("block_k", "k_per_split", "promote_chunks")
     for mode in ("fp32", "bf16-fp32out"):
-        small = {heuristic_config(m, 7168, 256, mode, True, 132) for m in (1, 17, 256)}
+        small = {heuristic_config(m, 7168, 256, mode, True, 132) for m in (1, 17, 64)}
         assert len(small) == 1
         (s,) = small
         assert s.params["ticket"] is False and s.params["pdl"] is True
@@ -470,16 +470,22 @@ def test_heuristic_configs_are_well_formed():
             assert (g.params["block_m"], g.params["block_n"], g.params["num_warps"]) == tile, (m, cap)
             assert g.params["splits_in_program"] and g.params["num_stages"] == 3
             assert {p: g.params[p] for p in structure} == {p: launch[p] for p in structure}
-        for m, splits_in_program in ((2048, False), (2049, True)):  # V2-Lite: few partials to 2048
+        # V2-Lite: 64 x 64 split tiles make too few programs up to 256 tokens, few partials to 2048
+        for m, tile in ((256, (64, 16, 1)), (257, (64, 64, 3))):
+            lite = heuristic_config(m, 2048, 64, mode, True, 132)
+            assert (lite.params["block_m"], lite.params["block_n"], lite.params["num_stages"]) == tile, m
+        for m, splits_in_program in ((2048, False), (2049, True)):
             lite = heuristic_config(m, 2048, 64, mode, True, 132)
             assert lite.params.get("splits_in_program", False) == splits_in_program, m
         lite = heuristic_config(16384, 2048, 64, mode, True, 132)
         assert (lite.params["block_m"], lite.params["block_n"], lite.params["num_warps"]) == (64, 64, 4)
         # Hopper+ above 256 tokens: split tiles while M x N x splits < 6 x 2^20 partials (28 splits
-        # of 256 here: to 877 tokens), then one program per tile.
+        # of 256 here: to 877 tokens), then one program per tile; from 65 tokens where 64 x 64
+        # split tiles make >= 1.5 programs per SM (here 2 x 4 x 28 = 224 >= 198).
         for m, cap, fp32_weight, split_tiles in (
             (257, 90, False, True), (512, 90, False, True), (877, 100, False, True), (878, 90, False, False),
-            (257, 90, True, False), (512, 89, False, False), (256, 90, False, False),
+            (257, 90, True, False), (512, 89, False, False), (256, 90, False, True), (65, 90, False, True),
+            (65, 89, False, False), (65, 90, True, False), (64, 90, False, False),
         ):  # fmt: skip
             g = heuristic_config(m, 7168, 256, mode, True, 132, capability=cap, fp32_weight=fp32_weight)
             assert {p: g.params[p] for p in structure} == {p: launch[p] for p in structure}
@@ -731,7 +737,7 @@ def test_batch_invariant_buckets_start_where_the_table_or_heuristic_changes(tabl
     # the heuristic (an H100): DeepSeek-V3's split tiles end where M x 256 x 28 reaches 6 x 2^20
     h100 = d._batch_invariant_buckets(7168, 256, RouterPrecision.FP32, "NVIDIA H100 80GB HBM3", 132)
     got = [m for m, _ in h100]
-    assert 257 in got and 878 in got and 1025 in got
+    assert 65 in got and 878 in got and 1025 in got and 257 not in got  # 65-877: the same split tiles
 
 
 def test_table_override_picks_a_table_or_the_heuristic(table_env, tmp_path):
