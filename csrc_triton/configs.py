@@ -438,13 +438,11 @@ def _heuristic_kernel(
         splits = max(1, min(k // 256, -(-2 * sm_count // n_blocks)))
         k_per_split = max(256, k // splits // 256 * 256)
         split_k = -(-k // k_per_split)
-        wide_programs = -(-m // 64) * -(-n // 64) * split_k
-        if batch_invariant and capability >= 90 and not fp32_weight and (
-            BI_SPLITS_IN_PROGRAM_FROM < m <= BI_SPLIT_TILES_TO
-            and m * n * split_k < BI_SPLIT_PARTIALS_MAX
-            or 64 < m <= BI_SPLITS_IN_PROGRAM_FROM
-            and wide_programs * 2 >= 3 * sm_count
-        ):
+        wide_programs = -(-m // 64) * -(-n // 64) * split_k  # 64 x 64 split tiles
+        mid_m = BI_SPLITS_IN_PROGRAM_FROM < m <= BI_SPLIT_TILES_TO
+        few_partials = mid_m and m * n * split_k < BI_SPLIT_PARTIALS_MAX
+        enough_programs = 64 < m <= BI_SPLITS_IN_PROGRAM_FROM and 2 * wide_programs >= 3 * sm_count
+        if batch_invariant and capability >= 90 and not fp32_weight and (few_partials or enough_programs):
             # Hopper+ software-pipelined 64 x 64 split tiles, their partials added by a second
             # launch (PDL): above 256 tokens while the partials stay under ~24 MB, where the
             # H200 table's retunes chose them over one program per tile (every shape at 512,
