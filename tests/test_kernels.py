@@ -450,8 +450,9 @@ def test_heuristic_configs_are_well_formed():
     # inside one program (software-pipelined), in tiles that grow with M on Hopper and later
     # (64 x 64 above 1024 tokens, 128 x 128 with 8 warps above 4096, 64 x 64 for 64 experts; a
     # genuinely fp32 weight keeps 64 x 32 below 128 x 128) and stay 64 x 32 before sm_90; on
-    # Hopper+ 257-512 tokens take pipelined 64 x 64 split tiles instead (not an fp32 weight). On
-    # Hopper a split form's sum is a second kernel launched with PDL (same adds).
+    # Hopper+ pipelined 64 x 64 split tiles run from 65 tokens while they make enough programs and
+    # the partials are few (below; not an fp32 weight). On Hopper a split form's sum is a second
+    # kernel launched with PDL (same adds).
     structure = ("block_k", "k_per_split", "promote_chunks")
     for mode in ("fp32", "bf16-fp32out"):
         small = {heuristic_config(m, 7168, 256, mode, True, 132) for m in (1, 17, 64)}
