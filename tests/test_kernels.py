@@ -717,7 +717,7 @@ def test_startup_description_of_the_cuda_dispatch(monkeypatch):
     assert "heuristic configs" in text
 
 
-def test_batch_invariant_buckets_start_where_the_table_or_heuristic_changes(table_env):
+def test_batch_invariant_buckets_start_where_the_table_or_heuristic_changes(table_env, tmp_path):
     """The self-check probes M at and below every start of a batch-invariant bucket: the starts
     must be exact wherever a bucket ends (a table retuned at 768 tokens, the heuristic's switch
     where the split partials outgrow its limit), not only just above powers of two."""
@@ -740,6 +740,14 @@ def test_batch_invariant_buckets_start_where_the_table_or_heuristic_changes(tabl
     h100 = d._batch_invariant_buckets(7168, 256, RouterPrecision.FP32, "NVIDIA H100 80GB HBM3", 132)
     got = [m for m, _ in h100]
     assert 65 in got and 878 in got and 1025 in got and 257 not in got  # 65-877: the same split tiles
+    # a table of one's own (VLLM_ROUTER_EXT_TABLE=path) whose bucket ends above 16384 tokens
+    v3 = table["7168x256"]["fp32/batch_invariant"]
+    custom = {"shapes": {"7168x256": {"fp32/batch_invariant": [{**v3[-2], "max_m": 20000}, v3[-1]]}}}
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(custom))
+    table_env(str(path))
+    got = [m for m, _ in d._batch_invariant_buckets(7168, 256, RouterPrecision.FP32, "NVIDIA H200", 132)]
+    assert got == [1, 20001]
 
 
 def test_table_override_picks_a_table_or_the_heuristic(table_env, tmp_path):

@@ -289,8 +289,8 @@ def run_fitting_config(
         return result
 
 
-#: Batch-invariant buckets are found by looking up every M to here (the tables' last bucket and
-#: the heuristic's largest threshold, 8192, lie below it).
+#: Batch-invariant buckets are found by looking up every M to here (the heuristic's largest
+#: threshold is 8192), or past the table's largest bucket end if that is higher.
 BUCKET_SCAN_TO = 16385
 
 
@@ -298,13 +298,16 @@ def _batch_invariant_buckets(
     k: int, n: int, precision: RouterPrecision, name: str, sms: int, cap: int = 90
 ) -> list:
     """``[(first M, config)]`` of every batch-invariant bucket on this GPU: every M up to
-    :data:`BUCKET_SCAN_TO` is looked up (~0.1 s), because a tuned bucket may end at any M (a
-    retune at 768 tokens) and the heuristic switches where the partials outgrow a limit; above it
-    no table or heuristic changes config."""
-    from csrc_triton.configs import select_config
+    :data:`BUCKET_SCAN_TO` (or just past the table's last finite ``max_m``) is looked up (~0.1 s),
+    because a tuned bucket may end at any M (a retune at 768 tokens) and the heuristic switches
+    where the partials outgrow a limit; above that no config changes."""
+    from csrc_triton.configs import load_table, select_config
 
+    entry = load_table(name).get("shapes", {}).get(f"{k}x{n}", {})
+    table_mode = "fp32" if precision is RouterPrecision.FP32 else "bf16-fp32out"
+    ends = [b["max_m"] for b in entry.get(f"{table_mode}/batch_invariant", []) if b["max_m"]]
     buckets: list = []
-    for m in range(1, BUCKET_SCAN_TO + 1):
+    for m in range(1, max([BUCKET_SCAN_TO, *(e + 1 for e in ends)]) + 1):
         cfg = select_config(m, k, n, precision.value, True, name, sms, capability=cap)
         if not buckets or buckets[-1][1] != cfg:
             buckets.append((m, cfg))
