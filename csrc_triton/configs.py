@@ -519,6 +519,16 @@ def bucket_for(buckets: list[dict[str, Any]], m: int) -> dict[str, Any] | None:
     return next((b for b in buckets if b["max_m"] is None or m <= b["max_m"]), None)
 
 
+def table_buckets(
+    device_name: str, k: int, n: int, mode: str, batch_invariant: bool = False, variant: str = ""
+) -> list[dict[str, Any]]:
+    """This GPU's tuned buckets for a [n, k] gate in ``mode`` (its batch-invariant ones, or a
+    ``variant`` such as ``"triton"``); [] where the table has none (the heuristic serves)."""
+    key = ("fp32" if mode == "fp32" else "bf16-fp32out") + ("/batch_invariant" if batch_invariant else "")
+    key += f"/{variant}" if variant else ""
+    return load_table(device_name).get("shapes", {}).get(f"{k}x{n}", {}).get(key, [])
+
+
 def select_config(
     m: int,
     k: int,
@@ -537,12 +547,9 @@ def select_config(
     fp32 gate weight, rows TMA cannot read, no Gluon): the table's ``fp32/triton`` buckets (the
     fastest Triton configs, timed beside it), else the heuristic's. ``fp32_weight``: the gate
     weight is genuinely fp32 (the heuristic's tiles for it)."""
-    table_mode = "fp32" if mode == "fp32" else "bf16-fp32out"
-    entry = load_table(device_name).get("shapes", {}).get(f"{k}x{n}", {})
-    key = f"{table_mode}/batch_invariant" if batch_invariant else table_mode
-    bucket = bucket_for(entry.get(key, []), m)
+    bucket = bucket_for(table_buckets(device_name, k, n, mode, batch_invariant), m)
     if wgmma_ws is False and bucket is not None and bucket["kernel"] == "wgmma_ws":
-        bucket = bucket_for(entry.get(f"{table_mode}/triton", []), m)
+        bucket = bucket_for(table_buckets(device_name, k, n, mode, variant="triton"), m)
     # cuBLAS has no fp32-accurate equivalent (and none off-GPU): the heuristic serves those.
     if bucket is not None and not (bucket["kernel"] == "cublas" and (mode == "fp32" or not cublas)):
         params = {p: v for p, v in bucket.items() if p in PARAM_KEYS}

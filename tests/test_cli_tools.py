@@ -29,24 +29,20 @@ def test_tiny_checkpoint_cli(tmp_path):
     assert (tmp_path / "ckpt" / "tokenizer.json").exists()
 
 
+def _bench_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_router_ext.bench", *args], capture_output=True, text=True, timeout=300
+    )
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-side message")
 def test_bench_cli_without_a_gpu_says_so():
-    p = subprocess.run(
-        [sys.executable, "-m", "vllm_router_ext.bench", "--out", "unused"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    p = _bench_cli("--out", "unused")
     assert p.returncode == 2 and "needs a CUDA GPU" in p.stderr
 
 
 def test_bench_cli_names_unknown_methods_and_the_allowed_ones():
-    p = subprocess.run(
-        [sys.executable, "-m", "vllm_router_ext.bench", "--methods", "ours fp32,ours fp64"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    p = _bench_cli("--methods", "ours fp32,ours fp64")
     assert p.returncode == 2 and "unknown method(s) ['ours fp64']" in p.stderr
     assert "'heuristic BI fp32'" in p.stderr
 

@@ -301,11 +301,9 @@ def _batch_invariant_buckets(
     :data:`BUCKET_SCAN_TO` (or just past the table's last finite ``max_m``) is looked up (~0.1 s),
     because a tuned bucket may end at any M (a retune at 768 tokens) and the heuristic switches
     where the partials outgrow a limit; above that no config changes."""
-    from csrc_triton.configs import load_table, select_config
+    from csrc_triton.configs import select_config, table_buckets
 
-    entry = load_table(name).get("shapes", {}).get(f"{k}x{n}", {})
-    table_mode = "fp32" if precision is RouterPrecision.FP32 else "bf16-fp32out"
-    ends = [b["max_m"] for b in entry.get(f"{table_mode}/batch_invariant", []) if b["max_m"]]
+    ends = [b["max_m"] for b in table_buckets(name, k, n, precision.value, True) if b["max_m"]]
     buckets: list = []
     for m in range(1, max([BUCKET_SCAN_TO, *(e + 1 for e in ends)]) + 1):
         cfg = select_config(m, k, n, precision.value, True, name, sms, capability=cap)
