@@ -290,9 +290,9 @@ def tune_shape(
 #: sum takes one atomic round trip instead of a ticket's three (faster at 1-16 tokens) but costs
 #: 64-bit conversions per split (slower from 256 tokens on the H200). K split 256 in split order
 #: (the Hopper heuristic's, session 12): twice the programs at small M, a second launch with PDL
-#: adding 28 partials. The structure kept is the one whose worst ratio to the fastest
-#: non-invariant path over BI_M, each ratio divided by the issue's limit at that M (1.5x up to 256
-#: tokens, 2x above: ``bi_limit``), is smallest.
+#: adding 28 partials. The structure kept is the one with the fewest M over the issue's limits
+#: (1.5x the fastest non-invariant path up to 256 tokens, 2x above: ``bi_limit``), then the
+#: smallest worst ratio to them (``bi_rank``).
 BI_K_STRUCTURES = [
     (256, 128, False),
     (512, 128, False),
