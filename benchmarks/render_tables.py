@@ -2,6 +2,7 @@
 docs/benchmarks.md: µs per call and the ratio to cuBLAS measured in the same run.
 
     python benchmarks/render_tables.py benchmarks/results/bench-h200-<commit>.json
+    python benchmarks/render_tables.py --targets bench.json   # each column as the issues measure it
 """
 
 from __future__ import annotations
@@ -47,5 +48,44 @@ def render(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _fastest_bf16(r: dict) -> float:
+    return min(r["ours bf16-fp32out"], r[CUBLAS])
+
+
+#: (JSON key, header, what its ratio is to): the ratios the issues set their targets on.
+TARGET_COLUMNS = [
+    ("ours bf16-fp32out", "ours bf16-fp32out (x cuBLAS)", lambda r: r[CUBLAS]),
+    (CUBLAS, "cuBLAS (mm, out fp32)", None),
+    ("ours fp32", "ours fp32 (x ours bf16-fp32out)", lambda r: r["ours bf16-fp32out"]),
+    ("F.linear fp32 upcast", "F.linear fp32 upcast (x ours fp32)", lambda r: r["ours fp32"]),
+    ("ours BI bf16-fp32out", "ours BI bf16-fp32out (x fastest)", _fastest_bf16),
+    ("ours BI fp32", "ours BI fp32 (x ours fp32)", lambda r: r["ours fp32"]),
+]
+
+
+def render_targets(rows: list[dict]) -> str:
+    """One table per shape, each time with the ratio an issue's target is stated on: bf16-fp32out
+    to cuBLAS, ``fp32`` to bf16-fp32out, torch's fp32 upcast to ``fp32`` (how many times faster
+    we are), batch-invariant to the fastest non-invariant path of its mode."""
+    by_shape: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_shape[r["shape"]].append(r)
+    out = []
+    for shape, rs in by_shape.items():
+        out.append(f"##### {shape} (K={rs[0]['K']}, N={rs[0]['N']})\n")
+        out.append("| M | " + " | ".join(h for _, h, _ in TARGET_COLUMNS) + " |")
+        out.append("|---:|" + "---:|" * len(TARGET_COLUMNS))
+        for r in rs:
+            cells = [
+                f"{r[key]:.2f}" + (f" ({r[key] / base(r):.2f}×)" if base else "")
+                for key, _, base in TARGET_COLUMNS
+            ]
+            out.append(f"| {r['M']} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
-    print(render(json.loads(open(sys.argv[1]).read())["speed"]))
+    targets = sys.argv[1] == "--targets"
+    speed = json.loads(open(sys.argv[-1]).read())["speed"]
+    print(render_targets(speed) if targets else render(speed))

@@ -129,9 +129,11 @@ def splitk_candidates(m: int, mode: str) -> list[KernelConfig]:
             for block_n, kps, block_k, warps in SPLITK_SHAPES
         ]
     if m >= 128:
-        out += [pipelined_splitk_config(bm, bn, kps, mode, warps) for bm, bn, kps, warps in BIG_SPLITK]
         out += [
-            pipelined_splitk_config(bm, bn, kps, mode, warps, block_k=128, num_stages=stages)
+            _pipelined(pipelined_splitk_config(bm, bn, kps, mode, warps)) for bm, bn, kps, warps in BIG_SPLITK
+        ]
+        out += [
+            _pipelined(pipelined_splitk_config(bm, bn, kps, mode, warps, block_k=128, num_stages=stages))
             for bm, bn, kps, warps, stages in BIG_SPLITK_BK128
         ]
     if mode == "fp32" and m >= 1024:
@@ -140,6 +142,19 @@ def splitk_candidates(m: int, mode: str) -> list[KernelConfig]:
             for bm, bn, warps in IN_PROGRAM_FP32
         ]
     return list(dict.fromkeys(out))  # the fp32 mode caps BLOCK_K: some shapes coincide
+
+
+def _pipelined(cfg: KernelConfig) -> KernelConfig:
+    """A pipelined split-K candidate as it can win: its split sum a second launch with PDL (with
+    the one-launch ticket these tiles measured up to 1.4x slower, session 11: 19.3 vs 13.5 µs,
+    too slow to reach the :data:`REFINED` few whose launch forms are compared), and a split that
+    is one MMA chain (bf16-fp32out) looped over its chunks (``flat_chain``; unrolled, nothing is
+    left to pipeline). Session 14: bf16-fp32out's 128-512-token buckets had kept cuBLAS for both
+    reasons; with them split-K beat it by up to 1.3x."""
+    params = {**cfg.params, "ticket": False, "pdl": True}
+    if cfg.params["promote_chunks"] == 0:
+        params["flat_chain"] = True
+    return KernelConfig(cfg.kernel, params)
 
 
 def tiled_candidates(m: int, mode: str) -> list[KernelConfig]:

@@ -41,6 +41,7 @@ PARAM_KEYS = (
     "fixed_point",
     "fixed_ticket",
     "pdl",
+    "flat_chain",
 )
 
 
@@ -70,6 +71,8 @@ class KernelConfig:
             inner += ",splits_in_program"
         if self.params.get("fixed_point"):
             inner += ",fixed_point" + ("(ticket)" if self.params.get("fixed_ticket") else "")
+        if self.params.get("flat_chain"):
+            inner += ",flat_chain"
         if self.kernel == "splitk" and self.params.get("ticket") is False:
             inner += ",two_launch"
         if self.params.get("pdl"):

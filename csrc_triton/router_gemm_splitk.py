@@ -235,6 +235,7 @@ def _splitk_partials_kernel(
     SPLITS_IN_PROGRAM: tl.constexpr,
     FIXED_POINT: tl.constexpr,
     PDL: tl.constexpr,
+    FLAT_CHAIN: tl.constexpr,
 ):
     launch_dependents(PDL)  # the two-launch form's split sum may launch now (it waits for us)
     pid_n = tl.program_id(0)
@@ -265,6 +266,19 @@ def _splitk_partials_kernel(
                 acc = promoted_group(
                     x_rows, w_cols, mask_m, mask_n, k0, K, acc, BLOCK_K, PROMOTE_CHUNKS, DOT_MODE, UPCAST
                 )
+        elif FLAT_CHAIN and n_groups == 1:
+            # One chain per split (bf16-fp32out): a flat loop over its chunks, which the compiler
+            # pipelines (one group of unrolled chunks leaves nothing to pipeline). The same MMAs
+            # into one accumulator as the unrolled group; acc starts at +0, so 0 + chain is
+            # bitwise the chain (it cannot be -0). A config's choice: on the H200 it made long
+            # splits (4-8 chunks, 128-512 tokens) beat cuBLAS, and short batch-invariant split
+            # tiles (2-4 chunks) slower (docs/benchmarks.md, session 14).
+            for c in range(K_PER_SPLIT // BLOCK_K):
+                offs_k = k_begin + c * BLOCK_K + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < K
+                a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                b = tl.load(w_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                acc = mma(a, b, acc, DOT_MODE, UPCAST)
         else:
             for c in range(n_groups):
                 k0 = k_begin + c * BLOCK_K * PROMOTE_CHUNKS
@@ -386,6 +400,7 @@ def splitk_launch(
     fixed_point: bool = False,
     fixed_ticket: bool = False,
     pdl: bool = False,
+    flat_chain: bool = False,
 ) -> torch.Tensor:
     """Write ``x @ w.T`` into ``out`` [M, N] (any float dtype). x, w: unit stride along K.
     ``ticket=False``: two launches (partials, then :func:`reduce_partials`); with ``pdl`` the
@@ -393,7 +408,9 @@ def splitk_launch(
     ``splits_in_program``: one program per tile runs all its splits (large M); same result.
     ``fixed_point``: the splits are summed exactly in fixed point (batch-invariant path), with
     one atomic per logit, or (``fixed_ticket``, mid M: fewer atomics) as integer partials that
-    the last program of a tile adds; all three forms give bitwise the same logits."""
+    the last program of a tile adds; all three forms give bitwise the same logits.
+    ``flat_chain``: a pipelined split that is one MMA chain (no promotion inside it) loops over
+    its chunks instead of unrolling them; same result."""
     M, K = x.shape
     N = w.shape[0]
     if M == 0:
@@ -447,6 +464,7 @@ def splitk_launch(
         SPLITS_IN_PROGRAM=splits_in_program,
         FIXED_POINT=fixed_point,
         PDL=pdl,
+        FLAT_CHAIN=flat_chain,
         num_warps=num_warps,
         num_stages=num_stages,
     )

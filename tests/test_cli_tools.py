@@ -244,3 +244,23 @@ def test_tuner_keeps_the_fastest_triton_buckets_beside_wgmma_ws():
         assert d._wgmma_ws_fallback(ws, x, w, "test", 90).kernel == "splitk"
     finally:
         c.load_table = orig
+
+
+def test_render_targets_states_each_ratio_on_what_its_issue_measures(tmp_path):
+    """``render_tables.py --targets``: bf16-fp32out against cuBLAS, fp32 against bf16-fp32out,
+    torch's upcast against fp32 (the speed-up), batch-invariant against its mode's fastest path
+    (bf16-fp32out's: the faster of ours and cuBLAS)."""
+    row = {
+        "shape": "S", "K": 64, "N": 8, "M": 4, "floor_us": 0.1, "ours bf16-fp32out": 4.0,
+        "cuBLAS mm out_dtype=fp32": 2.0, "ours fp32": 5.0, "F.linear fp32 upcast": 30.0,
+        "ours BI bf16-fp32out": 3.0, "ours BI fp32": 7.5,
+    }  # fmt: skip
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"speed": [row]}))
+    p = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "render_tables.py"), "--targets", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("| 4 |"))
+    assert line == "| 4 | 4.00 (2.00×) | 2.00 | 5.00 (1.25×) | 30.00 (6.00×) | 3.00 (1.50×) | 7.50 (1.50×) |"

@@ -109,13 +109,22 @@ def test_gemv_two_launch_form_equals_single_launch(gen):
     assert relative_error(one, reference_logits(x, w)) <= 1e-6
 
 
-def test_pipelined_split_k_is_bitwise_the_unrolled_one(gen):
+@pytest.mark.parametrize("promote_chunks", [2, 4, 0], ids=["two-chains-a-split", "one-chain", "unpromoted"])
+def test_pipelined_split_k_is_bitwise_the_unrolled_one(gen, promote_chunks):
     """Batch-invariant tables may mix unrolled (small M) and pipelined (large M) split-K configs
-    of one K structure: they must compute the same sums in the same order."""
+    of one K structure: they must compute the same sums in the same order. With one chain per
+    split (4 chunks of 32 in 128, or no promotion) ``flat_chain`` loops over the chunks (where
+    the config asks; it is ignored where a split holds several chains)."""
     x, w = _inputs(gen, 37, 300, 40)
-    unrolled = run_config(SPLITK_PROMOTED, x, w, _poisoned(37, 40, torch.float32), DOT_NATIVE)
-    pipelined = run_config(SPLITK_PIPELINED, x, w, _poisoned(37, 40, torch.float32), DOT_NATIVE)
-    assert torch.equal(unrolled, pipelined)
+    unrolled_cfg = KernelConfig("splitk", {**SPLITK_PROMOTED.params, "promote_chunks": promote_chunks})
+    unrolled = run_config(unrolled_cfg, x, w, _poisoned(37, 40, torch.float32), DOT_NATIVE)
+    assert relative_error(unrolled, reference_logits(x, w)) <= 1e-6
+    for flat_chain in (False, True):
+        params = {**SPLITK_PIPELINED.params, "promote_chunks": promote_chunks, "flat_chain": flat_chain}
+        pipelined = run_config(
+            KernelConfig("splitk", params), x, w, _poisoned(37, 40, torch.float32), DOT_NATIVE
+        )
+        assert torch.equal(unrolled, pipelined), flat_chain
 
 
 FIXED = KernelConfig(  # SPLITK_PROMOTED's splits, summed exactly in fixed point (atomically)

@@ -252,6 +252,27 @@ def test_split_sum_launch_forms_bitwise_equal_eager_and_graphs(shape, kernel, pa
                 assert torch.equal(out, ref), (m, cfg.describe(), "graph replay")
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("promote_chunks", [0, 2], ids=["bf16-fp32out", "fp32"])
+def test_flat_chain_is_bitwise_the_unrolled_split(shape, promote_chunks):
+    """``flat_chain`` (a split that is one MMA chain looped over its chunks, so that the compiler
+    pipelines it: the bf16-fp32out buckets at 128-512 tokens) does the same MMAs into the same
+    accumulator as the unrolled split: bitwise the same logits, every one written, accurate."""
+    kps = 512 if promote_chunks == 0 else 256  # one chain a split: 4 chunks, or fp32's 2
+    base = dict(block_m=64, block_n=64, block_k=128, k_per_split=kps, promote_chunks=promote_chunks,
+                ticket=False, pdl=True)  # fmt: skip
+    for m in (1, 300, 2000):
+        x, w = _xw(m, shape)
+        dot = dot_mode_for(x.dtype, w.dtype)
+        nan = torch.full((m, shape.n), float("nan"), device="cuda")
+        unrolled = run_config(KernelConfig("splitk", {**base, "num_stages": 1}), x, w, nan.clone(), dot)
+        flat = run_config(
+            KernelConfig("splitk", {**base, "num_stages": 3, "flat_chain": True}), x, w, nan, dot
+        )
+        assert not unrolled.isnan().any() and torch.equal(flat, unrolled), m
+        assert _rel(flat, x, w) <= (1e-5 if promote_chunks == 0 else 1e-6), m
+
+
 @pytest.mark.parametrize("m", [0, 1, 7, 16, 300, 4096, 16384])
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32], ids=["bf16-weight", "fp32-weight"])
 def test_fp32_mode_accuracy(m, w_dtype):
