@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 
 COLUMNS = [  # (JSON key, table header)
     ("ours bf16-fp32out", "ours bf16-fp32out"),
@@ -25,27 +26,33 @@ COLUMNS = [  # (JSON key, table header)
 CUBLAS = "cuBLAS mm out_dtype=fp32"
 
 
-def render(rows: list[dict]) -> str:
+def _tables(rows: list[dict], heading: str, headers: list[str], cells: Callable[[dict], list[str]]) -> str:
+    """One markdown table per shape (``heading``: its level), a row per M."""
     by_shape: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
         by_shape[r["shape"]].append(r)
     out = []
     for shape, rs in by_shape.items():
-        out.append(f"#### {shape} (K={rs[0]['K']}, N={rs[0]['N']})\n")
-        out.append("| M | " + " | ".join(h for _, h in COLUMNS) + " | HBM floor |")
-        out.append("|---:|" + "---:|" * (len(COLUMNS) + 1))
-        for r in rs:
-            cells = []
-            for key, _ in COLUMNS:
-                if key not in r:
-                    cells.append("")
-                elif key == CUBLAS:
-                    cells.append(f"{r[key]:.2f}")
-                else:
-                    cells.append(f"{r[key]:.2f} ({r[key] / r[CUBLAS]:.2f}×)")
-            out.append(f"| {r['M']} | " + " | ".join(cells) + f" | {r['floor_us']:.2f} |")
+        out.append(f"{heading} {shape} (K={rs[0]['K']}, N={rs[0]['N']})\n")
+        out.append("| M | " + " | ".join(headers) + " |")
+        out.append("|---:|" + "---:|" * len(headers))
+        out += [f"| {r['M']} | " + " | ".join(cells(r)) + " |" for r in rs]
         out.append("")
     return "\n".join(out)
+
+
+def render(rows: list[dict]) -> str:
+    def cells(r: dict) -> list[str]:
+        return [
+            ""
+            if key not in r
+            else f"{r[key]:.2f}"
+            if key == CUBLAS
+            else f"{r[key]:.2f} ({r[key] / r[CUBLAS]:.2f}×)"
+            for key, _ in COLUMNS
+        ] + [f"{r['floor_us']:.2f}"]
+
+    return _tables(rows, "####", [h for _, h in COLUMNS] + ["HBM floor"], cells)
 
 
 def _fastest_bf16(r: dict) -> float:
@@ -67,22 +74,14 @@ def render_targets(rows: list[dict]) -> str:
     """One table per shape, each time with the ratio an issue's target is stated on: bf16-fp32out
     to cuBLAS, ``fp32`` to bf16-fp32out, torch's fp32 upcast to ``fp32`` (how many times faster
     we are), batch-invariant to the fastest non-invariant path of its mode."""
-    by_shape: dict[str, list[dict]] = defaultdict(list)
-    for r in rows:
-        by_shape[r["shape"]].append(r)
-    out = []
-    for shape, rs in by_shape.items():
-        out.append(f"##### {shape} (K={rs[0]['K']}, N={rs[0]['N']})\n")
-        out.append("| M | " + " | ".join(h for _, h, _ in TARGET_COLUMNS) + " |")
-        out.append("|---:|" + "---:|" * len(TARGET_COLUMNS))
-        for r in rs:
-            cells = [
-                f"{r[key]:.2f}" + (f" ({r[key] / base(r):.2f}×)" if base else "")
-                for key, _, base in TARGET_COLUMNS
-            ]
-            out.append(f"| {r['M']} | " + " | ".join(cells) + " |")
-        out.append("")
-    return "\n".join(out)
+
+    def cells(r: dict) -> list[str]:
+        return [
+            f"{r[key]:.2f}" + (f" ({r[key] / base(r):.2f}×)" if base else "")
+            for key, _, base in TARGET_COLUMNS
+        ]
+
+    return _tables(rows, "#####", [h for _, h, _ in TARGET_COLUMNS], cells)
 
 
 if __name__ == "__main__":
