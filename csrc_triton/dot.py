@@ -57,6 +57,18 @@ def mma(a, b, acc, DOT_MODE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def load_chunk(x_rows, w_cols, mask_m, mask_n, k0, K, BLOCK_K: tl.constexpr):
+    """The K chunk ``[k0, k0 + BLOCK_K)`` of the activations [BM, BLOCK_K] and of the weight
+    [BLOCK_K, BN] (transposed view), zero outside M, N and K. x_rows: [BM, 1] row pointers,
+    w_cols: [1, BN]."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    b = tl.load(w_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+    return a, b
+
+
+@triton.jit
 def promoted_group(
     x_rows,
     w_cols,
@@ -77,9 +89,6 @@ def promoted_group(
     (``csrc_triton.configs.FP32_PROMOTE_CHUNKS``). x_rows: [BM, 1] row pointers, w_cols: [1, BN]."""
     part = tl.zeros(acc.shape, dtype=tl.float32)
     for j in tl.static_range(PROMOTE_CHUNKS):
-        offs_k = k0 + j * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(w_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        a, b = load_chunk(x_rows, w_cols, mask_m, mask_n, k0 + j * BLOCK_K, K, BLOCK_K)
         part = mma(a, b, part, DOT_MODE, UPCAST)
     return acc + part

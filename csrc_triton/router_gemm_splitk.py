@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from csrc_triton import cdiv
-from csrc_triton.dot import interpreting, mma, promoted_group
+from csrc_triton.dot import interpreting, load_chunk, mma, promoted_group
 from csrc_triton.pdl import launch_dependents, launch_options, pdl_enabled, wait_for_primary
 
 #: Fixed-point split sum: a 64-bit word per logit = (arrival count << 59) + sum of biased partials.
@@ -175,10 +175,7 @@ def _all_splits_in_program(
     words = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int64)
     for c in range(SPLIT_K * CHUNKS):
         # Split s = c // CHUNKS covers [s * K_PER_SPLIT, ...): chunk c starts at c * BLOCK_K.
-        offs_k = c * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(w_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        a, b = load_chunk(x_rows, w_cols, mask_m, mask_n, c * BLOCK_K, K, BLOCK_K)
         part = mma(a, b, part, DOT_MODE, UPCAST)
         if PROMOTE_CHUNKS == CHUNKS:
             # One chain per split: the split's partial is 0 + part; neither it nor ``total``
@@ -274,10 +271,7 @@ def _splitk_partials_kernel(
             # splits (4-8 chunks, 128-512 tokens) beat cuBLAS, and short batch-invariant split
             # tiles (2-4 chunks) slower (docs/benchmarks.md, session 14).
             for c in range(K_PER_SPLIT // BLOCK_K):
-                offs_k = k_begin + c * BLOCK_K + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < K
-                a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                b = tl.load(w_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                a, b = load_chunk(x_rows, w_cols, mask_m, mask_n, k_begin + c * BLOCK_K, K, BLOCK_K)
                 acc = mma(a, b, acc, DOT_MODE, UPCAST)
         else:
             for c in range(n_groups):

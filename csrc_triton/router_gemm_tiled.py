@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from csrc_triton import cdiv
-from csrc_triton.dot import interpreting, mma, promoted_group
+from csrc_triton.dot import interpreting, load_chunk, mma, promoted_group
 
 
 @triton.jit
@@ -59,10 +59,7 @@ def _tiled_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PROMOTE_CHUNKS == 0:
         for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(w_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            a, b = load_chunk(x_rows, w_cols, mask_m, mask_n, k0, K, BLOCK_K)
             acc = mma(a, b, acc, DOT_MODE, UPCAST)
     else:
         for k0 in range(0, K, BLOCK_K * PROMOTE_CHUNKS):
