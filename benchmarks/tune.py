@@ -85,6 +85,7 @@ BIG_SPLITK = [  # (block_m, block_n, k_per_split, num_warps): software-pipelined
 #: Kimi-K2: tune-h200-d8edcfa-bf16-bk128.log); in the fp32 mode two chunks per stage, so only 64x64
 #: tiles fit three stages and 128x64 / 64x128 two. (block_m, block_n, k_per_split, num_warps, stages)
 BIG_SPLITK_BK128 = [
+    (64, 64, 256, 4, 3),
     (64, 64, 512, 4, 3),
     (64, 64, 1024, 4, 3),
     (64, 64, 2048, 4, 3),
@@ -148,11 +149,12 @@ def _pipelined(cfg: KernelConfig) -> KernelConfig:
     """A pipelined split-K candidate as it can win: its split sum a second launch with PDL (with
     the one-launch ticket these tiles measured up to 1.4x slower, session 11: 19.3 vs 13.5 µs,
     too slow to reach the :data:`REFINED` few whose launch forms are compared), and a split that
-    is one MMA chain (bf16-fp32out) looped over its chunks (``flat_chain``; unrolled, nothing is
-    left to pipeline). Session 14: bf16-fp32out's 128-512-token buckets had kept cuBLAS for both
-    reasons; with them split-K beat it by up to 1.3x."""
-    params = {**cfg.params, "ticket": False, "pdl": True}
-    if cfg.params["promote_chunks"] == 0:
+    is one MMA chain (bf16-fp32out, or an fp32 split as long as one promoted chain) looped over
+    its chunks (``flat_chain``; unrolled, nothing is left to pipeline). Session 14: bf16-fp32out's
+    128-512-token buckets had kept cuBLAS for both reasons; with them split-K beat it by up to 1.3x."""
+    p = cfg.params
+    params = {**p, "ticket": False, "pdl": True}
+    if p["promote_chunks"] == 0 or p["k_per_split"] == p["block_k"] * p["promote_chunks"]:
         params["flat_chain"] = True
     return KernelConfig(cfg.kernel, params)
 
@@ -263,15 +265,20 @@ def _triton_buckets(
 
 
 def tune_shape(
-    shape, mode: str, ms, old: list[dict] | None = None
+    shape, mode: str, ms, old: list[dict] | None = None, invariant: list[dict] | None = None
 ) -> tuple[list[dict], dict[int, float], dict[int, tuple[float, KernelConfig]]]:
     """The fastest candidate per M in ``ms``; with ``old`` (a merged table), every other M of the
-    benchmark's list keeps ``old``'s bucket. Also the fastest Triton candidate per M."""
+    benchmark's list keeps ``old``'s bucket. Also the fastest Triton candidate per M.
+    ``invariant``: the mode's batch-invariant buckets, whose config at each M is a candidate too
+    (the non-invariant path should never be the slower one: on DeepSeek-V2-Lite at 32-256 tokens
+    it was, by up to 13 %, session 15)."""
     best_by_m: dict[int, tuple[float, KernelConfig]] = {}
     triton_by_m: dict[int, tuple[float, KernelConfig]] = {}
     for m in ms:
         xs, ws = make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m)
         cands = gemv_candidates(m) if m <= GEMV_MAX_M else []
+        if invariant and (bi := bucket_config(invariant, m)) is not None:
+            cands.append(bi)
         cands += splitk_candidates(m, mode)
         if mode == "fp32" and m >= FP32_TILED_FROM:
             cands += tiled_candidates(m, mode)
@@ -282,7 +289,7 @@ def tune_shape(
         if mode == "fp32":
             cands += wgmma_ws_candidates(m, shape.k, shape.n)
         results = []
-        for cfg in cands:
+        for cfg in dict.fromkeys(cands):
             if cfg.kernel != "cublas" and not _check(cfg, xs[0], ws[0], mode):
                 continue
             results.append((time_config(cfg, xs, ws, mode), cfg))
@@ -720,7 +727,9 @@ def _tune_shapes(args: argparse.Namespace, table: dict, out: Path, ms: list[int]
                 continue
             if not args.bi_only:
                 previous = entry.get(mode, []) if args.merge else []
-                entry[mode], _, triton_by_m = tune_shape(shape, mode, ms, previous or None)
+                entry[mode], _, triton_by_m = tune_shape(
+                    shape, mode, ms, previous or None, entry.get(f"{mode}/batch_invariant")
+                )
                 points = sorted(set(ms) | set(M_LIST)) if args.merge else ms
                 _triton_buckets(entry, mode, previous, triton_by_m, points)
                 out.write_text(json.dumps(table, indent=1))

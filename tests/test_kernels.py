@@ -453,8 +453,8 @@ def test_heuristic_configs_are_well_formed():
                 expected = "splitk" if bi else "gemv" if m <= 4 else "splitk" if m <= 8192 else "tiled"
                 assert cfg.kernel == expected, (m, bi, mode, cfg)
                 with_cublas = heuristic_config(m, 7168, 256, mode, bi, 132, cublas=True)
-                if mode != "fp32" and not bi and m > 64:
-                    assert with_cublas.kernel == "cublas"
+                if mode != "fp32" and not bi and m > 64:  # Hopper's split tiles to 512 (below)
+                    assert with_cublas.kernel == ("splitk" if m <= 512 else "cublas"), m
     # Batch invariance: one K structure for every M; above 256 tokens the same splits are summed
     # inside one program (software-pipelined), in tiles that grow with M on Hopper and later
     # (64 x 64 above 1024 tokens, 128 x 128 with 8 warps above 4096, 64 x 64 for 64 experts; a
@@ -508,6 +508,43 @@ def test_heuristic_configs_are_well_formed():
     assert "pdl" not in heuristic_config(1, 7168, 256, "fp32", False, 132).params
     assert "pdl" not in heuristic_config(2048, 7168, 256, "fp32", False, 132, wgmma_ws=True).params
     assert heuristic_config(64, 7168, 256, "bf16-fp32out", False, 132).params["pdl"] is True
+
+
+def test_heuristic_mid_m_split_tiles_on_hopper():
+    """65-512 tokens, not batch-invariant, Hopper: pipelined 64 x 64 split tiles, 128-wide chunks,
+    the finest K split (256 only below K=4096, then 512, in fp32 also 1024) whose programs stay
+    within 2 per SM (16-bit modes; else cuBLAS) or 1 per SM (fp32; else the older split of 1024 in
+    64-wide chunks); one chain a split loops flat. What probe_heuristic_mid_m.py measured fastest
+    on the H200, shape by shape (docs/benchmarks.md, session 15)."""
+
+    def split(m, k, n, mode, **kw):
+        cfg = heuristic_config(m, k, n, mode, False, 132, cublas=True, **kw)
+        if cfg.kernel != "splitk":
+            return cfg.kernel
+        p = cfg.params
+        assert (p["block_m"], p["block_n"], p["num_stages"]) == (64, 64, 3), p
+        assert p.get("pdl", False) == (kw.get("capability", 90) // 10 == 9), p  # the sum: PDL on Hopper
+        return p["block_k"], p["k_per_split"], p.get("flat_chain", False)
+
+    bf16, fp32 = "bf16-fp32out", "fp32"
+    for m, k, n, mode, expected in (
+        (65, 7168, 256, bf16, (128, 512, True)), (256, 7168, 256, bf16, (128, 512, True)),
+        (257, 7168, 256, bf16, "cublas"), (128, 7168, 384, bf16, (128, 512, True)),
+        (192, 7168, 384, bf16, (128, 512, True)), (193, 7168, 384, bf16, "cublas"),
+        (512, 5120, 160, bf16, (128, 512, True)),
+        (512, 2048, 64, "bf16", (128, 256, True)), (512, 6144, 256, bf16, "cublas"),
+        (65, 7168, 256, fp32, (128, 512, False)), (128, 7168, 256, fp32, (128, 512, False)),
+        (129, 7168, 256, fp32, (128, 1024, False)), (512, 7168, 256, fp32, (64, 1024, False)),
+        (65, 7168, 384, fp32, (128, 1024, False)), (512, 5120, 160, fp32, (128, 1024, False)),
+        (256, 2048, 64, fp32, (128, 256, True)),
+    ):  # fmt: skip
+        assert split(m, k, n, mode) == expected, (m, k, n, mode)
+    # Not on Ampere / Ada, not for a genuinely fp32 weight, not above 512 tokens
+    assert split(65, 7168, 256, bf16, capability=89) == "cublas"
+    assert split(65, 7168, 256, fp32, capability=89) == (64, 1024, False)
+    assert split(65, 7168, 256, fp32, fp32_weight=True) == (64, 1024, False)
+    assert split(513, 2048, 64, bf16) == "cublas"
+    assert heuristic_config(64, 7168, 256, bf16, False, 132, cublas=True).params["num_stages"] == 1
 
 
 def test_heuristic_takes_the_wgmma_ws_kernel_only_where_it_runs():

@@ -390,9 +390,9 @@ def test_batch_invariant_needle_eager_and_graphs(shape, mode):
     _needle_eager_and_graphs(shape, mode)
 
 
-#: M at and beside every switch of the heuristic (GEMV, split-K, cuBLAS / pipelined split-K,
+#: M at and beside every switch of the heuristic (GEMV, split-K, pipelined split-K / its K split / cuBLAS,
 #: wgmma_ws and its 192-wide tiles, tiled; batch invariance: splits summed in one program).
-HEURISTIC_MS = [1, 4, 5, 64, 65, 256, 257, 512, 513, 1023, 1024, 2048, 2049, 8192, 8193]
+HEURISTIC_MS = [1, 4, 5, 64, 65, 128, 129, 256, 257, 512, 513, 1023, 1024, 2048, 2049, 8192, 8193]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
