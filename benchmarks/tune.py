@@ -50,6 +50,10 @@ from vllm_router_ext.benchmarking import (  # noqa: E402
 )
 from vllm_router_ext.ops.dispatch import dot_mode_for, run_config  # noqa: E402
 
+#: The M a full tune times: the benchmark's list and, between its 128, 256 and 512 tokens, 192 and
+#: 384 (session 15: other configs won inside those buckets, e.g. Kimi-K2 bf16-fp32out at 192
+#: tokens split-K 8.35 µs where the bucket tuned at 256 called cuBLAS, 9.44).
+TUNE_M_LIST = tuple(sorted((*M_LIST, 192, 384)))
 GEMV_MAX_M = 16
 GEMV_SHAPES = [  # (block_n, num_warps) for BLOCK_M in {1, 2, 4} <= M; one K split (the probe's winners)
     (1, 4),
@@ -566,9 +570,11 @@ def bucket_config(buckets: list[dict], m: int) -> KernelConfig | None:
 
 def merge_buckets(old: list[dict], new: dict[int, tuple[float, KernelConfig]], ms) -> list[dict]:
     """Collapse per-M points over ``ms`` into buckets: tuned points from ``new``, every other M
-    keeps ``old``'s bucket (its launch parameters and its timing note)."""
+    keeps ``old``'s bucket (its launch parameters and its timing note). ``old``'s own bucket ends
+    count as points too, so a bucket tuned at an M off ``ms`` (e.g. 192 or 384 tokens) survives
+    a later merge that retunes other M."""
     points = []
-    for m in ms:
+    for m in sorted(set(ms) | {b["max_m"] for b in old if b["max_m"] is not None}):
         if m in new:
             t, cfg = new[m]
             points.append({"max_m": m, "kernel": cfg.kernel, **cfg.params, "us": round(t, 3)})
@@ -651,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
     p.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
-    p.add_argument("--m", default=",".join(map(str, M_LIST)))
+    p.add_argument("--m", default=",".join(map(str, TUNE_M_LIST)))
     p.add_argument("--modes", default="bf16-fp32out,fp32")
     p.add_argument("--merge", default=None, help="start from this table; only the listed shapes are retuned")
     p.add_argument(

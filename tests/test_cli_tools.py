@@ -162,18 +162,20 @@ def test_tuner_merges_a_partial_retune_into_the_table_buckets():
     old = [
         {"max_m": 16, **gemv, "us": 3.5},
         {"max_m": 256, "kernel": "splitk", "block_m": 64},
+        {"max_m": 384, "kernel": "splitk", "block_m": 128},  # an end off the benchmark's M list
         {"max_m": None, "kernel": "cublas"},
     ]
     new_cfg = KernelConfig("splitk", {"block_m": 32, "block_k": 128})
     points = sorted(set((32, 64)) | set(tune.M_LIST))
     merged = tune.merge_buckets(old, {32: (7.0, new_cfg), 64: (8.0, new_cfg)}, points)
-    for m in tune.M_LIST:
+    for m in (*tune.M_LIST, 300, 384, 385):
         got = {k: v for k, v in bucket_for(merged, m).items() if k not in ("max_m", "us")}
         if m in (32, 64):
             assert got == {"kernel": "splitk", "block_m": 32, "block_k": 128}, m
         else:
             assert got == {k: v for k, v in bucket_for(old, m).items() if k not in ("max_m", "us")}, m
-    assert merged[-1]["max_m"] is None and len(merged) == 4  # gemv, new splitk, old splitk, cuBLAS
+    assert merged[-1]["max_m"] is None and len(merged) == 5  # gemv, new splitk, 2 old splitk, cuBLAS
+    assert set(tune.TUNE_M_LIST) == set(tune.M_LIST) | {192, 384}
     with pytest.raises(SystemExit, match="--merge"):
         tune.merge_buckets([], {32: (7.0, new_cfg)}, (16, 32))  # nothing to keep for M=16
     with pytest.raises(ValueError, match="sums='both-ish'"):

@@ -51,6 +51,51 @@ def test_every_shape_and_m_poisoned_and_accurate(shape, mode):
             assert _rel(via_op, x, w) <= tol, (m, cfg.describe())
 
 
+def _table_buckets_at_both_ends():
+    """(shape, table key, config, M) for every bucket of the shipped H200 table, non-invariant and
+    the ``/triton`` fallbacks, at its first and its last M (capped at 8192)."""
+    import json
+
+    from csrc_triton.configs import CONFIG_DIR, PARAM_KEYS
+
+    table = json.loads((CONFIG_DIR / "nvidia_h200.json").read_text())["shapes"]
+    cases = []
+    for shape in SHAPES:
+        for key in ("bf16-fp32out", "fp32", "fp32/triton"):
+            low = 1
+            for bucket in table[f"{shape.k}x{shape.n}"].get(key, []):
+                high = min(bucket["max_m"] or 16384, 8192)
+                cfg = KernelConfig(bucket["kernel"], {p: v for p, v in bucket.items() if p in PARAM_KEYS})
+                cases += [(shape, key, cfg, m) for m in sorted({low, high}) if m >= low]
+                low = (bucket["max_m"] or 16384) + 1
+    return cases
+
+
+@pytest.mark.parametrize(
+    "shape, key, cfg, m",
+    _table_buckets_at_both_ends(),
+    ids=lambda v: getattr(v, "name", None) or (v.describe() if isinstance(v, KernelConfig) else str(v)),
+)
+def test_every_table_bucket_at_both_ends(shape, key, cfg, m):
+    """Each bucket of the shipped H200 table, at its first and last M: the dispatch picks it
+    (with the table forced, as on an H200), and its logits are all written and accurate."""
+    from csrc_triton.configs import table_override
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the H200 table's wgmma_ws / PDL configs are for Hopper")
+    mode = key.split("/")[0]
+    x, w = _xw(m, shape, row_stride=shape.k + 64)
+    if key == mode:
+        with table_override("nvidia_h200"):
+            picked = config_for(x, w, RouterPrecision(mode), False)
+        assert (picked.kernel, picked.params) == (cfg.kernel, cfg.params), (m, picked.describe())
+    out = torch.full((m, shape.n), float("nan"), device="cuda")
+    x_in = x.contiguous() if cfg.kernel == "cublas" else x
+    res = run_config(cfg, x_in, w, out, dot_mode_for(x.dtype, w.dtype))
+    tol = 1e-6 if mode == "fp32" else 1e-5
+    assert not res.isnan().any() and _rel(res, x, w) <= tol, (m, cfg.describe())
+
+
 GEMV_CONFIGS = [  # the tuner's GEMV space at its corners, plus split-K forms of it
     dict(block_m=1, block_n=1, k_per_split=0, num_warps=8),
     dict(block_m=1, block_n=1, k_per_split=0, num_warps=16),
