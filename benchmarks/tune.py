@@ -32,6 +32,7 @@ from csrc_triton.configs import (  # noqa: E402
     clear_table_cache,
     device_key,
     fp32_promote_chunks,
+    one_chain_split,
     pipelined_splitk_config,
     split_sum_variants,
     splitk_config,
@@ -156,9 +157,8 @@ def _pipelined(cfg: KernelConfig) -> KernelConfig:
     is one MMA chain (bf16-fp32out, or an fp32 split as long as one promoted chain) looped over
     its chunks (``flat_chain``; unrolled, nothing is left to pipeline). Session 14: bf16-fp32out's
     128-512-token buckets had kept cuBLAS for both reasons; with them split-K beat it by up to 1.3x."""
-    p = cfg.params
-    params = {**p, "ticket": False, "pdl": True}
-    if p["promote_chunks"] == 0 or p["k_per_split"] == p["block_k"] * p["promote_chunks"]:
+    params = {**cfg.params, "ticket": False, "pdl": True}
+    if one_chain_split(cfg):
         params["flat_chain"] = True
     return KernelConfig(cfg.kernel, params)
 

@@ -208,6 +208,13 @@ def fp32_promote_chunks(block_k: int) -> int:
     return FP32_PROMOTE_CHUNKS
 
 
+def one_chain_split(cfg: KernelConfig) -> bool:
+    """A split-K config whose every split is one MMA chain (no promotion, or a split exactly one
+    promoted chain long): the splits ``flat_chain`` may loop over."""
+    p = cfg.params
+    return p["promote_chunks"] == 0 or p["k_per_split"] == p["block_k"] * p["promote_chunks"]
+
+
 def splitk_config(
     block_m: int,
     block_n: int,
@@ -266,21 +273,11 @@ BI_SPLITS_IN_PROGRAM_FROM = 256
 BI_SPLIT_TILES_TO = 2048
 BI_SPLIT_PARTIALS_MAX = 6 << 20
 
-#: Hopper, non-invariant, from 65 tokens to MID_M_SPLIT_TO (the 16-bit modes: 512; fp32: up to
-#: the wgmma_ws kernel's first M): pipelined 64 x 64 split tiles with 128-wide chunks and the
-#: split sum a second launch with PDL, K split as finely as keeps the programs within this many
-#: per SM (the 16-bit modes: 2, splits of 512, else cuBLAS; fp32: 1, splits of 512 or 1024, else
-#: 64-wide chunks in splits of 1024 / 2048 as before). 256 only where K < 4096 (DeepSeek-V2-Lite:
-#: 8 splits); 2048 measured 1.3-1.7x slower than these everywhere. The H200 table's winners there,
-#: generalised (benchmarks/probe_heuristic_mid_m.py, docs/benchmarks.md session 15).
-MID_M_PROGRAMS_PER_SM = {"fp32": 1, "16-bit": 2}
-
 #: The warp-specialised wgmma kernel (``csrc_triton/router_gemm_wgmma_ws.py``, Hopper only) serves
 #: the fp32 mode from this M: 128-row tiles, 64-wide chunks in chains of 4 (256 along K), 6 TMA
 #: stages (196 KB of shared memory: one program per SM), K split so the tiles fill the SMs once.
 #: On the H200 (benchmarks/probe_pingpong.py) it beat the Triton fp32 kernels from 1024 tokens.
 WGMMA_WS_FROM_M = 1024
-MID_M_SPLIT_TO = {"fp32": WGMMA_WS_FROM_M - 1, "16-bit": 512}
 WGMMA_WS_BLOCK_M = 128
 WGMMA_WS_MAX_SPLITS = 8
 #: From this M, N a multiple of 192 above 256 (Kimi-K2's 384 experts) takes 192-wide tiles (128 +
@@ -364,6 +361,17 @@ def wgmma_ws_split(m: int, k: int, n: int, block_n: int, sm_count: int, block_n_
     return 0 if splits == 1 else wgmma_ws_k_per_split(k, splits)
 
 
+#: Hopper, non-invariant, from 65 tokens to MID_M_SPLIT_TO (the 16-bit modes: 512; fp32: up to
+#: the wgmma_ws kernel's first M): pipelined 64 x 64 split tiles with 128-wide chunks and the
+#: split sum a second launch with PDL, K split as finely as keeps the programs within this many
+#: per SM (the 16-bit modes: 2, splits of 512, else cuBLAS; fp32: 1, splits of 512 or 1024, else
+#: 64-wide chunks in splits of 1024 / 2048 as before). 256 only where K < 4096 (DeepSeek-V2-Lite:
+#: 8 splits); 2048 measured 1.3-1.7x slower than these everywhere. The H200 table's winners there,
+#: generalised (benchmarks/probe_heuristic_mid_m.py, docs/benchmarks.md session 15).
+MID_M_SPLIT_TO = {"fp32": WGMMA_WS_FROM_M - 1, "16-bit": 512}
+MID_M_PROGRAMS_PER_SM = {"fp32": 1, "16-bit": 2}
+
+
 def heuristic_config(
     m: int,
     k: int,
@@ -381,8 +389,7 @@ def heuristic_config(
     SM. From 65 on Hopper (to 512, fp32 to 1023): pipelined 64 x 64 split tiles with the finest
     K split that keeps the programs few enough (``_mid_m_split``; faster than cuBLAS there on the
     H200, 0.73-0.94x at 65-256 tokens). Otherwise above 64 the 16-bit modes go to cuBLAS where it
-    exists; the fp32
-    mode has no cuBLAS equivalent and takes pipelined split-K / tiled kernels.
+    exists; the fp32 mode has no cuBLAS equivalent and takes pipelined split-K / tiled kernels.
     Batch-invariant: one K structure for every M; above 256 tokens the same splits run inside one
     program per tile (``splits_in_program``: bitwise the same sums, no partials in memory),
     software-pipelined, in tiles that grow with M on Hopper and later (``fp32_weight``: a
@@ -516,16 +523,14 @@ def _mid_m_split(m: int, k: int, n: int, mode: str, sm_count: int) -> KernelConf
     """Hopper's pipelined split tiles from 65 tokens (to ``MID_M_SPLIT_TO``): the finest K split
     whose programs stay within ``MID_M_PROGRAMS_PER_SM`` per SM; a split that is one MMA chain
     loops over its chunks (``flat_chain``). None: no split fits (the 16-bit modes take cuBLAS,
-    the fp32 mode the older pipelined split of 1024 in 64-wide chunks)."""
+    the fp32 mode the older pipelined split in 64-wide chunks)."""
     fp32 = mode == "fp32"
     limit = MID_M_PROGRAMS_PER_SM["fp32" if fp32 else "16-bit"] * sm_count
     tiles = -(-m // 64) * -(-n // 64)
     for k_per_split in ((256,) if k < 4096 else ()) + ((512, 1024) if fp32 else (512,)):
         if tiles * -(-k // k_per_split) <= limit:
             cfg = splitk_config(64, 64, 128, k_per_split, mode, 4, num_stages=3)
-            p = cfg.params
-            one_chain = p["promote_chunks"] == 0 or k_per_split == p["block_k"] * p["promote_chunks"]
-            return KernelConfig("splitk", {**p, "flat_chain": True}) if one_chain else cfg
+            return KernelConfig("splitk", {**cfg.params, "flat_chain": True}) if one_chain_split(cfg) else cfg
     return None
 
 
