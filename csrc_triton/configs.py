@@ -450,8 +450,7 @@ def _heuristic_kernel(
         # 8 warps: what the H200 table picks at 1-4 tokens (or more); with 4 warps and two tokens
         # the sm_89 compile spills at K=6144.
         return KernelConfig("gemv", dict(block_m=block_m, block_n=1, k_per_split=0, num_warps=8))
-    mid_m = 64 < m <= MID_M_SPLIT_TO["fp32" if fp32 else "16-bit"]
-    if not batch_invariant and capability // 10 == 9 and mid_m and not fp32_weight:
+    if not batch_invariant and capability // 10 == 9 and not fp32_weight:
         if (split := _mid_m_split(m, k, n, mode, sm_count)) is not None:
             return split
     if cublas and not fp32 and not batch_invariant and m > 64:
@@ -523,9 +522,12 @@ def _mid_m_split(m: int, k: int, n: int, mode: str, sm_count: int) -> KernelConf
     """Hopper's pipelined split tiles from 65 tokens (to ``MID_M_SPLIT_TO``): the finest K split
     whose programs stay within ``MID_M_PROGRAMS_PER_SM`` per SM; a split that is one MMA chain
     loops over its chunks (``flat_chain``). None: no split fits (the 16-bit modes take cuBLAS,
-    the fp32 mode the older pipelined split in 64-wide chunks)."""
+    the fp32 mode the older pipelined split in 64-wide chunks) or M outside that range."""
     fp32 = mode == "fp32"
-    limit = MID_M_PROGRAMS_PER_SM["fp32" if fp32 else "16-bit"] * sm_count
+    kind = "fp32" if fp32 else "16-bit"
+    if not 64 < m <= MID_M_SPLIT_TO[kind]:
+        return None
+    limit = MID_M_PROGRAMS_PER_SM[kind] * sm_count
     tiles = -(-m // 64) * -(-n // 64)
     for k_per_split in ((256,) if k < 4096 else ()) + ((512, 1024) if fp32 else (512,)):
         if tiles * -(-k // k_per_split) <= limit:

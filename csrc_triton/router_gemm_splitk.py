@@ -264,7 +264,8 @@ def _splitk_partials_kernel(
                     x_rows, w_cols, mask_m, mask_n, k0, K, acc, BLOCK_K, PROMOTE_CHUNKS, DOT_MODE, UPCAST
                 )
         elif FLAT_CHAIN and n_groups == 1:
-            # One chain per split (bf16-fp32out): a flat loop over its chunks, which the compiler
+            # One chain per split (bf16-fp32out, or an fp32 split one promoted chain long): a
+            # flat loop over its chunks, which the compiler
             # pipelines (one group of unrolled chunks leaves nothing to pipeline). The same MMAs
             # into one accumulator as the unrolled group; acc starts at +0, so 0 + chain is
             # bitwise the chain (it cannot be -0). A config's choice: on the H200 it made long

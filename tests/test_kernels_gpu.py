@@ -54,20 +54,18 @@ def test_every_shape_and_m_poisoned_and_accurate(shape, mode):
 def _table_buckets_at_both_ends():
     """(shape, table key, config, M) for every bucket of the shipped H200 table, non-invariant and
     the ``/triton`` fallbacks, at its first and its last M (capped at 8192)."""
-    import json
+    from csrc_triton.configs import PARAM_KEYS, table_buckets, table_override
 
-    from csrc_triton.configs import CONFIG_DIR, PARAM_KEYS
-
-    table = json.loads((CONFIG_DIR / "nvidia_h200.json").read_text())["shapes"]
     cases = []
-    for shape in SHAPES:
-        for key in ("bf16-fp32out", "fp32", "fp32/triton"):
-            low = 1
-            for bucket in table[f"{shape.k}x{shape.n}"].get(key, []):
-                high = min(bucket["max_m"] or 16384, 8192)
-                cfg = KernelConfig(bucket["kernel"], {p: v for p, v in bucket.items() if p in PARAM_KEYS})
-                cases += [(shape, key, cfg, m) for m in sorted({low, high}) if m >= low]
-                low = (bucket["max_m"] or 16384) + 1
+    with table_override("nvidia_h200"):
+        for shape in SHAPES:
+            for mode, variant in (("bf16-fp32out", ""), ("fp32", ""), ("fp32", "triton")):
+                key, low = f"{mode}/{variant}" if variant else mode, 1
+                for bucket in table_buckets("NVIDIA H200", shape.k, shape.n, mode, variant=variant):
+                    high = min(bucket["max_m"] or 16384, 8192)
+                    cfg = KernelConfig(bucket["kernel"], {p: v for p, v in bucket.items() if p in PARAM_KEYS})
+                    cases += [(shape, key, cfg, m) for m in sorted({low, high}) if m >= low]
+                    low = (bucket["max_m"] or 16384) + 1
     return cases
 
 
