@@ -35,6 +35,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from csrc_triton.configs import table_buckets, table_override  # noqa: E402
 from csrc_triton.dot import promoted_group  # noqa: E402
 from vllm_router_ext.benchmarking import (  # noqa: E402
     SHAPES,
@@ -137,7 +138,7 @@ _WS: dict = {}
 _CUDA = None
 
 
-def _set_cluster(kernel, ctas: int) -> None:
+def set_cluster_size(kernel, ctas: int) -> None:
     """Make the launcher start ``kernel`` (a CompiledKernel) in clusters of ``ctas`` along x."""
     global _CUDA
     if ctas > 8:
@@ -152,6 +153,12 @@ def _set_cluster(kernel, ctas: int) -> None:
     if len(pm) >= 6:  # older launchers: (..., clusterDimX, clusterDimY, clusterDimZ)
         pm[3] = ctas
     kernel.packed_metadata = tuple(pm)
+
+
+def h200_buckets(k: int, n: int, mode: str, batch_invariant: bool = False) -> list[dict]:
+    """The shipped H200 table's buckets for this shape and mode."""
+    with table_override("nvidia_h200"):
+        return table_buckets("NVIDIA H200", k, n, mode, batch_invariant)
 
 
 def launch(x, w, out, bm, bn, bk, kps, promote, ctas, sync=True, warps=4):
@@ -170,7 +177,7 @@ def launch(x, w, out, bm, bn, bk, kps, promote, ctas, sync=True, warps=4):
     )  # fmt: skip
     k = _cluster_kernel[grid](*args, **meta)
     if id(k) not in _PATCHED:  # first launch ran unclustered (1/CTAS of the work): patch, rerun
-        _set_cluster(k, ctas)
+        set_cluster_size(k, ctas)
         _PATCHED.add(id(k))
         k = _cluster_kernel[grid](*args, **meta)
     return out
@@ -187,16 +194,12 @@ def main() -> int:
     p.add_argument("--ms", default="1,2,4,8,16")
     p.add_argument("--shapes", default="")
     args = p.parse_args()
-    table = json.loads(
-        (Path(__file__).resolve().parents[1] / "csrc_triton/configs/nvidia_h200.json").read_text()
-    )
     print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
     rows = []
     shapes = [s for s in SHAPES if not args.shapes or s.name in args.shapes.split(",")]
     for shape in shapes:
-        entry = table["shapes"][f"{shape.k}x{shape.n}"]
         for mode in ("bf16-fp32out", "fp32"):
-            c0 = entry[f"{mode}/batch_invariant"][0]
+            c0 = h200_buckets(shape.k, shape.n, mode, batch_invariant=True)[0]
             bk, kps = c0["block_k"], c0["k_per_split"]
             promote = c0["promote_chunks"] or kps // bk
             S = shape.k // kps

@@ -26,7 +26,6 @@ bf16-fp32out and whether the logits are bitwise the table's.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from probe_cluster import h200_buckets, set_cluster_size  # noqa: E402  (benchmarks/ is on sys.path)
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 
@@ -106,8 +106,9 @@ def _consumer_sum(a_bufs, b_bufs, t_bufs, ready, empty, part_ptr, out_ptr, M, N,
                   stride_om, off_m, off_n, pid_s, PROMOTE: gl.constexpr, N_CHUNKS: gl.constexpr,
                   STAGES: gl.constexpr, TAIL: gl.constexpr, TAIL_ROWS: gl.constexpr, S: gl.constexpr,
                   WIDTH: gl.constexpr, COLS: gl.constexpr, cnt_ptr, tile):  # fmt: skip
-    """The default partition: its 64 rows' chains and partial (as shipped), then the cluster
-    barrier, then rows pid_s * 128 / S ... of the tile summed over the S partials in split order."""
+    """The default partition: its 64 rows' chains and partial (as shipped), then its arrival and
+    the wait for all 2S (the tile's counter), then rows pid_s * 128 / S ... of the tile summed over
+    the S partials in split order."""
     _consumer(a_bufs, b_bufs, t_bufs, ready, empty, part_ptr, M, N, stride_ps, stride_pm, off_m, off_n,
               pid_s, 0, _HALF, PROMOTE, N_CHUNKS, STAGES, TAIL, TAIL_ROWS, False)  # fmt: skip
     old = _arrive(cnt_ptr, tile)
@@ -196,12 +197,9 @@ def cluster_launch(x, w, out, *, block_n, block_k, promote_chunks, num_stages, k
             1 << (width - 1).bit_length())  # fmt: skip
     key = (block_n, block_k, promote_chunks, num_stages, k_per_split, block_n_tail, M, N, K)
     if key not in _PATCHED:  # compile without launching (unclustered, the counters would wait forever)
-        k = _cluster_kernel.warmup(*args, grid=grid, num_warps=4, maxnreg=WORKER_REGISTERS)
-        pm = list(k.packed_metadata)
-        pm[1] = split  # (num_warps, num_ctas, shared, ...): gridDimX = gridX * num_ctas, clusters of num_ctas
-        if len(pm) >= 6:
-            pm[3] = split
-        k.packed_metadata = tuple(pm)
+        set_cluster_size(
+            _cluster_kernel.warmup(*args, grid=grid, num_warps=4, maxnreg=WORKER_REGISTERS), split
+        )
         _PATCHED.add(key)
     _cluster_kernel[grid](*args, num_warps=4, maxnreg=WORKER_REGISTERS)
     return out
@@ -216,17 +214,12 @@ CASES = (
 
 
 def main() -> int:
-    table = json.loads(
-        (Path(__file__).resolve().parents[1] / "csrc_triton/configs/nvidia_h200.json").read_text()
-    )
     print(torch.cuda.get_device_name(), flush=True)
     for name, ms in CASES:
         shape = SHAPE_BY_NAME[name]
         k, n = shape.k, shape.n
         for m in ms:
-            bucket = next(
-                b for b in table["shapes"][f"{k}x{n}"]["fp32"] if b["max_m"] is None or m <= b["max_m"]
-            )
+            bucket = next(b for b in h200_buckets(k, n, "fp32") if b["max_m"] is None or m <= b["max_m"])
             if bucket["kernel"] != "wgmma_ws" or not 0 < bucket["k_per_split"] < k:
                 print(f"{name} M={m}: bucket {bucket['kernel']} kps {bucket.get('k_per_split')}: skipped")
                 continue

@@ -265,8 +265,8 @@ def _splitk_partials_kernel(
                 )
         elif FLAT_CHAIN and n_groups == 1:
             # One chain per split (bf16-fp32out, or an fp32 split one promoted chain long): a
-            # flat loop over its chunks, which the compiler
-            # pipelines (one group of unrolled chunks leaves nothing to pipeline). The same MMAs
+            # flat loop over its chunks, which the compiler pipelines (one group of unrolled
+            # chunks leaves nothing to pipeline). The same MMAs
             # into one accumulator as the unrolled group; acc starts at +0, so 0 + chain is
             # bitwise the chain (it cannot be -0). A config's choice: on the H200 it made long
             # splits (4-8 chunks, 128-512 tokens) beat cuBLAS, and short batch-invariant split
