@@ -178,24 +178,42 @@ _PATCHED: set = set()
 _COUNTERS: dict = {}
 
 
-def cluster_launch(x, w, out, *, block_n, block_k, promote_chunks, num_stages, k_per_split, block_n_tail=0):
+def kernel_args(x, w, out, cnt, *, block_n, block_k, promote_chunks, num_stages, k_per_split, block_n_tail=0):
+    """(``_cluster_kernel``'s arguments, S, tile width) for one call: fresh partials, TMA descriptors."""
     M, K = x.shape
     N = w.shape[0]
     split = cdiv(K, k_per_split)
     assert BLOCK_M % split == 0, split
     part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-    cnt = _COUNTERS.setdefault(x.device, torch.zeros(1 << 16, dtype=torch.int32, device=x.device))
     x_desc = _tma_descriptor(x, BLOCK_M, block_k)
     w_desc = _tma_descriptor(w, block_n, block_k)
     t_desc = _tma_descriptor(w, block_n_tail, block_k) if block_n_tail else w_desc
     split_tail = block_n_tail > 32
     width = block_n + block_n_tail
-    grid = (cdiv(N, width), cdiv(M, BLOCK_M), 1)  # x: clusters; the launcher multiplies by S
     args = (x_desc, w_desc, t_desc, part, out, cnt, M, N, part.stride(0), part.stride(1), out.stride(0), K,
             cdiv(k_per_split, block_k) * block_k, promote_chunks, num_stages, block_n_tail,
             SPLIT_TAIL_REGISTERS if split_tail else WORKER_REGISTERS, split_tail, split,
             1 << (width - 1).bit_length())  # fmt: skip
-    key = (block_n, block_k, promote_chunks, num_stages, k_per_split, block_n_tail, M, N, K)
+    return args, split, width
+
+
+def counters(device, split: int) -> torch.Tensor:
+    """int32 arrival counters, one buffer per split count (each call adds 2S per tile: a buffer
+    shared by two split counts would stop being a multiple of either)."""
+    key = (device, split)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(1 << 16, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def cluster_launch(x, w, out, **cfg):
+    """``cfg``: the ``wgmma_ws`` bucket's (block_n, block_k, promote_chunks, num_stages,
+    k_per_split[, block_n_tail])."""
+    M, K = x.shape
+    N = w.shape[0]
+    args, split, width = kernel_args(x, w, out, counters(x.device, cdiv(K, cfg["k_per_split"])), **cfg)
+    grid = (cdiv(N, width), cdiv(M, BLOCK_M), 1)  # x: clusters; the launcher multiplies by S
+    key = (tuple(sorted(cfg.items())), M, N, K)
     if key not in _PATCHED:  # compile without launching (unclustered, the counters would wait forever)
         set_cluster_size(
             _cluster_kernel.warmup(*args, grid=grid, num_warps=4, maxnreg=WORKER_REGISTERS), split

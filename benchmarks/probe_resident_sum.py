@@ -118,6 +118,7 @@ def _counters(device, split: int) -> torch.Tensor:
 
 def resident_splitk(x, w, out, *, block_m, block_n, block_k, k_per_split, promote_chunks, num_warps,
                     num_stages, flat_chain=False, cooperative=False, do_sum=True, **_):  # fmt: skip
+    """One launch: the bucket's other keys (ticket, pdl: how the shipped launcher sums) do not apply."""
     M, K = x.shape
     N = w.shape[0]
     split = cdiv(K, k_per_split)
@@ -175,9 +176,6 @@ def splitk_cases(name: str, m: int, mode: str, sms: int, rows: list) -> None:
     )
     for label, cfg in variants:
         p = programs(cfg, m, k, n)
-        dot = dict(cfg)
-        dot.pop("ticket", None)
-        dot.pop("pdl", None)
         two = time_rotated_into(
             lambda x, w, o, c=cfg: splitk_launch(x, w, o, dot_mode=DOT_NATIVE, **c), xs, ws
         )
@@ -189,12 +187,12 @@ def splitk_cases(name: str, m: int, mode: str, sms: int, rows: list) -> None:
         for coop in (False, True) if p <= sms else (True,):
             try:
                 o = torch.full((m, n), float("nan"), device="cuda")
-                resident_splitk(xs[0], ws[0], o, cooperative=coop, **dot)
+                resident_splitk(xs[0], ws[0], o, cooperative=coop, **cfg)
                 torch.cuda.synchronize()
                 same = bool(torch.equal(o, ref)) if label == "table" else None
                 err = ((o.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
                 t = time_rotated_into(
-                    lambda x, w, o, c=dot, cp=coop: resident_splitk(x, w, o, cooperative=cp, **c), xs, ws
+                    lambda x, w, o, c=cfg, cp=coop: resident_splitk(x, w, o, cooperative=cp, **c), xs, ws
                 )
                 tag = "coop" if coop else "plain"
                 line += f" | resident-{tag} {_fmt(t, bf)} " + (
@@ -205,7 +203,7 @@ def splitk_cases(name: str, m: int, mode: str, sms: int, rows: list) -> None:
             except Exception as e:  # noqa: BLE001 - a probe: record and go on
                 line += f" | resident coop={coop}: {type(e).__name__}: {str(e)[:140]}"
                 torch.cuda.synchronize()
-        floor = time_rotated_into(lambda x, w, o, c=dot: resident_splitk(x, w, o, do_sum=False, **c), xs, ws)
+        floor = time_rotated_into(lambda x, w, o, c=cfg: resident_splitk(x, w, o, do_sum=False, **c), xs, ws)
         # (the partials-alone form writes no logits: a floor for the sum's cost, not a result)
         line += f" | partials alone {floor:.2f}"
         row["partials_alone"] = floor
@@ -214,15 +212,10 @@ def splitk_cases(name: str, m: int, mode: str, sms: int, rows: list) -> None:
 
 
 def wgmma_cases(name: str, m: int, sms: int, rows: list) -> None:
-    from probe_cluster_wgmma import _cluster_kernel
+    from probe_cluster_wgmma import _cluster_kernel, counters, kernel_args
 
     import csrc_triton.router_gemm_wgmma_ws as wgmma_ws
-    from csrc_triton.router_gemm_wgmma_ws import (
-        BLOCK_M,
-        SPLIT_TAIL_REGISTERS,
-        WORKER_REGISTERS,
-        _tma_descriptor,
-    )
+    from csrc_triton.router_gemm_wgmma_ws import BLOCK_M, WORKER_REGISTERS
 
     shape = SHAPE_BY_NAME[name]
     k, n = shape.k, shape.n
@@ -247,24 +240,12 @@ def wgmma_cases(name: str, m: int, sms: int, rows: list) -> None:
     line += f"two-kernel {_fmt(two, bf)}"
     row = dict(shape=name, mode="fp32", m=m, variant="wgmma_ws", programs=ctas, bf16_fp32out=bf, op=ours,
                two_kernel=two, config=cfg)  # fmt: skip
-    cnt = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")  # this case's own (2S per call)
-    tail = cfg.get("block_n_tail", 0)
 
     def launch(x, w, out, coop):
-        M = x.shape[0]
-        part = torch.empty((split, M, n), dtype=torch.float32, device=x.device)
-        x_desc = _tma_descriptor(x, BLOCK_M, cfg["block_k"])
-        w_desc = _tma_descriptor(w, cfg["block_n"], cfg["block_k"])
-        t_desc = _tma_descriptor(w, tail, cfg["block_k"]) if tail else w_desc
-        split_tail = tail > 32
+        args, _, _ = kernel_args(x, w, out, counters(x.device, split), **cfg)
         extra = {"launch_cooperative_grid": True} if coop else {}
-        _cluster_kernel[(cdiv(n, width) * split, cdiv(M, BLOCK_M), 1)](
-            x_desc, w_desc, t_desc, part, out, cnt, M, n, part.stride(0), part.stride(1), out.stride(0), k,
-            cdiv(cfg["k_per_split"], cfg["block_k"]) * cfg["block_k"], cfg["promote_chunks"],
-            cfg["num_stages"], tail, SPLIT_TAIL_REGISTERS if split_tail else WORKER_REGISTERS, split_tail,
-            split,
-            1 << (width - 1).bit_length(), num_warps=4, maxnreg=WORKER_REGISTERS, **extra,
-        )  # fmt: skip
+        grid = (cdiv(n, width) * split, cdiv(x.shape[0], BLOCK_M), 1)  # plain: no cluster size set
+        _cluster_kernel[grid](*args, num_warps=4, maxnreg=WORKER_REGISTERS, **extra)
         return out
 
     for coop in (False, True):
