@@ -697,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
     ms = [int(m) for m in args.m.split(",")]
     table = {"device": name, "tuned": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "shapes": {}}
     if args.merge:
-        table["shapes"] = json.loads(Path(args.merge).read_text())["shapes"]
+        table["shapes"] = json.loads(Path(args.merge).read_text(encoding="utf-8"))["shapes"]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1))
     import triton

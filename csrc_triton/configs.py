@@ -165,7 +165,7 @@ def _read_table(name: str, config_dir: Path) -> dict[str, Any]:
     path = Path(name) if _is_path(name) else config_dir / f"{name}.json"
     if not path.exists():
         return {}
-    table = json.loads(path.read_text())
+    table = json.loads(path.read_text(encoding="utf-8"))
     if not isinstance(table, dict) or not isinstance(table.get("shapes", {}), dict):
         raise ValueError(f"{path}: not a tuned table (a JSON object with a 'shapes' object)")
     return table

@@ -1,5 +1,6 @@
 """Shared fixtures. GPU tests carry ``@pytest.mark.gpu`` and skip without CUDA; on a CPU machine
-the Triton kernels run under ``TRITON_INTERPRET=1`` (set here, before anything imports Triton)."""
+the Triton kernels run under ``TRITON_INTERPRET=1`` (set here, before anything imports Triton),
+with ``tl.dot`` evaluated in one fixed, host-independent order (``testing.interpreter_dot``)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,12 @@ else:
 
 import torch  # noqa: E402
 
+from vllm_router_ext.testing import interpreter_dot  # noqa: E402
+
 HAS_CUDA = _HAS_CUDA
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if INTERPRETING:
+    interpreter_dot.install()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,6 +39,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(params=interpreter_dot.ORDERS if INTERPRETING else ("gpu-mma",))
+def dot_order(request):
+    """For bitwise claims between kernel forms: under the interpreter the test runs once per fixed
+    ``tl.dot`` order (K ascending, K descending), so a claim holds only if it rests on our order of
+    MMA steps, never on how one dot sums inside itself; on a GPU its own MMA decides, once."""
+    if INTERPRETING:
+        interpreter_dot.install(request.param)
+    yield request.param
+    if INTERPRETING:
+        interpreter_dot.install()
 
 
 @pytest.fixture
@@ -91,7 +109,7 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture
 def run_offline(tmp_path):
     """Run one ``vllm.LLM`` scenario in a subprocess; returns what the probe saved."""
-    from vllm_router_ext.testing.server import cpu_env
+    from vllm_router_ext.testing.server import cpu_env, omp_threads_bind
 
     def run(
         model: Path,
@@ -109,7 +127,7 @@ def run_offline(tmp_path):
         e.pop("TRITON_INTERPRET", None)
         e["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships probe functions
         if tp > 1:
-            e["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+            e["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(tp)
         e.update(env or {})
         cmd = [
             sys.executable,

@@ -36,7 +36,7 @@ def test_cli_on_the_tiny_checkpoint(tiny_model, tmp_path):
     )
     assert p.returncode == 0, p.stderr
     assert "overall (mean over layers)" in p.stdout and "auditing router layers" in p.stderr  # progress bar
-    result = json.loads((out / "audit.json").read_text())
+    result = json.loads((out / "audit.json").read_text(encoding="utf-8"))
     assert list(result["layers"]) == ["1"] and list(result["overall"]) == LABELS
     assert result["tokens"] == 512
     o = result["overall"]
@@ -91,7 +91,7 @@ def _copy_checkpoint(src: Path, dst: Path) -> Path:
 
 def test_clear_errors(tiny_model, tmp_path):
     not_ds = _copy_checkpoint(tiny_model, tmp_path / "llama")
-    cfg = json.loads((not_ds / "config.json").read_text())
+    cfg = json.loads((not_ds / "config.json").read_text(encoding="utf-8"))
     cfg.update(architectures=["LlamaForCausalLM"], model_type="llama")
     (not_ds / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(AuditError, match="not a DeepSeek-family checkpoint.*LlamaForCausalLM"):
@@ -101,14 +101,14 @@ def test_clear_errors(tiny_model, tmp_path):
         run_audit(tmp_path / "nowhere", progress=False)
 
     missing = _copy_checkpoint(tiny_model, tmp_path / "missing")
-    index = json.loads((missing / "model.safetensors.index.json").read_text())
+    index = json.loads((missing / "model.safetensors.index.json").read_text(encoding="utf-8"))
     del index["weight_map"]["model.layers.1.mlp.gate.e_score_correction_bias"]
     (missing / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(AuditError, match="e_score_correction_bias' is not in the checkpoint"):
         run_audit(missing, progress=False)
 
     wrong = _copy_checkpoint(tiny_model, tmp_path / "wrong")
-    cfg = json.loads((wrong / "config.json").read_text())
+    cfg = json.loads((wrong / "config.json").read_text(encoding="utf-8"))
     cfg["n_routed_experts"] = 32
     (wrong / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(AuditError, match=r"gate weight has shape \(16, 256\), config says \[32, 256\]"):

@@ -21,10 +21,10 @@ def test_tiny_checkpoint_cli(tmp_path):
         timeout=300,
     )
     assert p.returncode == 0, p.stderr
-    cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text(encoding="utf-8"))
     assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and cfg["topk_method"] == "noaux_tc"
     assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] == 576  # what vLLM's CPU MLA accepts
-    index = json.loads((tmp_path / "ckpt" / "model.safetensors.index.json").read_text())
+    index = json.loads((tmp_path / "ckpt" / "model.safetensors.index.json").read_text(encoding="utf-8"))
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in index["weight_map"]
     assert (tmp_path / "ckpt" / "tokenizer.json").exists()
 

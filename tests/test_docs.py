@@ -26,7 +26,7 @@ EXERCISED = {
 def _doc_commands() -> list[tuple[str, str]]:
     found = []
     for page in sorted(DOCS.glob("*.md")):
-        for block in re.findall(r"```console\n(.*?)```", page.read_text(), flags=re.S):
+        for block in re.findall(r"```console\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S):
             found += [(page.name, line[2:].strip()) for line in block.splitlines() if line.startswith("$ ")]
     return found
 
@@ -44,10 +44,10 @@ def test_the_named_tests_exist():
         if where.startswith("CI"):
             assert (root / ".ci/run").exists() and "setup_cpu_env.sh" in (
                 root / "scripts/test.sh"
-            ).read_text()
+            ).read_text(encoding="utf-8")
             continue
         path, name = where.split(" ")[0].split("::")
-        assert f"def {name}(" in (root / path).read_text(), where
+        assert f"def {name}(" in (root / path).read_text(encoding="utf-8"), where
 
 
 def test_docs_pages_exist_and_link():
@@ -64,5 +64,5 @@ def test_docs_pages_exist_and_link():
     }
     assert needed <= pages
     for page in DOCS.glob("*.md"):
-        for target in re.findall(r"\]\(([^)#:]+\.(?:md|png))\)", page.read_text()):
+        for target in re.findall(r"\]\(([^)#:]+\.(?:md|png))\)", page.read_text(encoding="utf-8")):
             assert (DOCS / target).exists(), f"{page.name} links to missing {target}"

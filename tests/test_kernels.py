@@ -110,7 +110,7 @@ def test_gemv_two_launch_form_equals_single_launch(gen):
 
 
 @pytest.mark.parametrize("promote_chunks", [2, 4, 0], ids=["two-chains-a-split", "one-chain", "unpromoted"])
-def test_pipelined_split_k_is_bitwise_the_unrolled_one(gen, promote_chunks):
+def test_pipelined_split_k_is_bitwise_the_unrolled_one(dot_order, gen, promote_chunks):
     """Batch-invariant tables may mix unrolled (small M) and pipelined (large M) split-K configs
     of one K structure: they must compute the same sums in the same order. With one chain per
     split (4 chunks of 32 in 128, or no promotion) ``flat_chain`` loops over the chunks (where
@@ -141,7 +141,7 @@ def _fixed_words_left():
 @pytest.mark.parametrize("fixed", [False, True], ids=["split-order", "fixed-point"])
 @pytest.mark.parametrize("promote_chunks", [0, 2])
 @pytest.mark.parametrize("k", [300, 512])
-def test_split_sum_forms_are_bitwise_equal(gen, promote_chunks, k, fixed):
+def test_split_sum_forms_are_bitwise_equal(dot_order, gen, promote_chunks, k, fixed):
     """Batch-invariant tables sum a tile's splits across programs at small M (a ticket, or one
     fixed-point atomic per logit), by integer partials + ticket at mid M (fixed point), and inside
     one program at large M: for one K structure and one kind of sum the logits must be bitwise the
@@ -166,7 +166,7 @@ def test_split_sum_forms_are_bitwise_equal(gen, promote_chunks, k, fixed):
     assert relative_error(first, reference_logits(x, w)) <= 1e-6
 
 
-def test_fixed_point_sum_is_the_rounded_sum_of_truncated_partials(gen):
+def test_fixed_point_sum_is_the_rounded_sum_of_truncated_partials(dot_order, gen):
     """What the fixed-point sum computes, re-derived in torch: each split's fp32 partial (the
     same kernel with one split over that K range) truncated to a multiple of 2^-32, the integers
     added exactly, the sum rounded to fp32 once."""
@@ -194,7 +194,7 @@ def test_fixed_point_sum_is_the_rounded_sum_of_truncated_partials(gen):
     assert set(_fixed_words_left()) == {0}
 
 
-def test_fixed_point_poisons_what_it_cannot_hold(gen):
+def test_fixed_point_poisons_what_it_cannot_hold(dot_order, gen):
     """A split partial beyond +-2^16 (or inf / NaN) cannot be summed exactly: that logit is NaN,
     deterministically, in both forms; the other rows are untouched; the words are reset."""
     x, w = _inputs(gen, 6, 512, 40)
@@ -280,7 +280,7 @@ def test_fp32_weight_large_m_runs_on_its_terms(gen, monkeypatch, m, n):
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16-fp32out"])
-def test_batch_invariant_needle_through_dispatch(gen, mode):
+def test_batch_invariant_needle_through_dispatch(dot_order, gen, mode):
     k, n = 512, 48
     needle, w = _inputs(gen, 1, k, n)
     alone = router_gemm_cuda(needle, w, RouterPrecision(mode), batch_invariant=True)
@@ -292,7 +292,7 @@ def test_batch_invariant_needle_through_dispatch(gen, mode):
             assert torch.equal(out[pos : pos + 1], alone), (m, pos)
 
 
-def test_batch_invariant_needle_through_a_fixed_point_table(gen, monkeypatch):
+def test_batch_invariant_needle_through_a_fixed_point_table(dot_order, gen, monkeypatch):
     """A tuned table may fix the exact fixed-point split sum: one atomic per logit at small M,
     integer partials + ticket at mid M, one program per tile at large M. Through the dispatch,
     a needle row equals its M=1 logits bitwise at every M, and the log line says so."""
@@ -346,7 +346,9 @@ def _small_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("batch_invariant", [False, True])
-def test_a_config_this_gpu_cannot_hold_is_shrunk_not_fatal(gen, monkeypatch, caplog, batch_invariant):
+def test_a_config_this_gpu_cannot_hold_is_shrunk_not_fatal(
+    dot_order, gen, monkeypatch, caplog, batch_invariant
+):
     """A table (or the heuristic) made on a GPU with more shared memory than this one: the op runs
     the same sums in a smaller footprint, warns once, and remembers the shrink."""
     import csrc_triton.configs as c

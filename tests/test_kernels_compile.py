@@ -53,8 +53,8 @@ def compile_runs(tmp_path_factory):
 def test_every_dispatched_kernel_compiles(compile_runs, arch, name, sms):
     proc, out, _ = compile_runs[name]
     returncode = proc.wait(timeout=1200)
-    assert returncode == 0, (out / "log.txt").read_text()[-5000:]
-    results = json.loads((out / "aot.json").read_text())
+    assert returncode == 0, (out / "log.txt").read_text(encoding="utf-8")[-5000:]
+    results = json.loads((out / "aot.json").read_text(encoding="utf-8"))
     kernels = {r["kernel"] for r in results}
     # every kernel family is reached: the GEMV, split-K (ticket, pipelined, splits in one program)
     # and, for the fp32 mode at the largest M, the tiled kernel

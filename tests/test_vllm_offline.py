@@ -33,7 +33,7 @@ def _score_margin(mode: str, max_abs_logit: float) -> float:
 def _check_gate_records(result, model_dir, mode, model="target"):
     """Logits vs fp64 and vLLM's chosen experts vs the fp64 reference, token by token
     (``model="draft"``: the speculative-decoding draft's gates)."""
-    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     routing = RoutingConfig.from_hf_config(cfg)
     prefix = "draft_" if model == "draft" else ""
     gate = {g["name"]: g for g in result[f"{prefix}gates"][0]}

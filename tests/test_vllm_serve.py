@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from vllm_router_ext.testing.server import cpu_env, precision_lines, start_server, vllm_command
+from vllm_router_ext.testing.server import cpu_env, precision_lines, serve, vllm_command
 
 pytestmark = pytest.mark.vllm
 
@@ -14,9 +14,8 @@ pytestmark = pytest.mark.vllm
 def test_serve_with_router_precision_answers_completions(tiny_model, tmp_path, monkeypatch):
     # A lower-precedence source that disagrees: the flag wins, with one warning naming both.
     monkeypatch.setenv("VLLM_ROUTER_PRECISION", "fp32")
-    server = start_server(tiny_model, tmp_path, "--router-precision", "bf16-fp32out")
+    server = serve(tiny_model, tmp_path, "--router-precision", "bf16-fp32out")
     try:
-        server.wait_healthy()
         reply = server.complete("def fibonacci(n):", max_tokens=8)
         assert reply["choices"][0]["text"] and reply["usage"]["completion_tokens"] == 8
     finally:

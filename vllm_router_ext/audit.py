@@ -62,7 +62,7 @@ def open_checkpoint(model_dir: str | Path) -> Checkpoint:
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise AuditError(f"{root} has no config.json: not a Hugging Face checkpoint directory")
-    config = json.loads(cfg_path.read_text())
+    config = json.loads(cfg_path.read_text(encoding="utf-8"))
     archs = config.get("architectures") or []
     if not (set(archs) & set(DEEPSEEK_V2_FAMILY) or config.get("model_type") in DEEPSEEK_MODEL_TYPES):
         raise AuditError(
@@ -74,7 +74,7 @@ def open_checkpoint(model_dir: str | Path) -> Checkpoint:
             raise AuditError(f"{cfg_path}: missing {key!r}, needed for routing")
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
     elif (root / "model.safetensors").is_file():
         from safetensors import safe_open
 

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from vllm_router_ext.precision import RouterPrecision
-from vllm_router_ext.testing.server import precision_lines, start_server
+from vllm_router_ext.testing.server import precision_lines, serve
 from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
 
 
@@ -26,10 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="router-ext-demo-"))
     model = build_tiny_deepseek_v3(workdir / "tiny-deepseek-v3")
     print(f"[demo] tiny DeepSeek-V3 checkpoint: {model}")
-    server = start_server(model, workdir, "--router-precision", args.precision)
-    print(f"[demo] vllm serve on {server.base_url} (log: {server.log_path})")
+    print(f"[demo] starting vllm serve (log: {workdir}/vllm-serve-*.log)")
+    server = serve(model, workdir, "--router-precision", args.precision)
+    print(f"[demo] vllm serve on {server.base_url}")
     try:
-        server.wait_healthy()
         reply = server.complete(args.prompt, max_tokens=16)
         print(f"[demo] prompt: {args.prompt!r}")
         print(f"[demo] completion: {reply['choices'][0]['text']!r}")

@@ -22,6 +22,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def omp_threads_bind(workers: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``workers`` CPU workers (one per TP / DP rank): each bound to
+    a core this process may run on, round-robin (the ids are the host's, not 0, 1, ...)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cores[i % len(cores)]) for i in range(workers))
+
+
 def cpu_env(workdir: Path) -> dict[str, str]:
     """Environment for a CPU vLLM run whose caches and sockets stay in ``workdir``."""
     env = dict(os.environ)
@@ -121,6 +128,22 @@ def start_server(model_dir: Path, workdir: Path, *extra_args: str, port: int | N
             cmd, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(workdir), start_new_session=True
         )
     return Server(proc=proc, port=port, log_path=log_path)
+
+
+def serve(model_dir: Path, workdir: Path, *extra_args: str, timeout: float = 420.0) -> Server:
+    """:func:`start_server` on a free port and wait until it is healthy. A port is free when picked
+    and taken when vLLM binds it, seconds later: if another process took it meanwhile, start again
+    on another (three tries)."""
+    for attempt in range(3):
+        server = start_server(model_dir, workdir, *extra_args)
+        try:
+            server.wait_healthy(timeout)
+            return server
+        except RuntimeError:
+            server.stop()
+            if attempt == 2 or "Address already in use" not in server.log():
+                raise
+    raise AssertionError("unreachable")
 
 
 def precision_lines(log: str) -> list[str]:
