@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from vllm_router_ext.audit import AuditError, Checkpoint, run_audit
+from vllm_router_ext.plotting import PLOT_MISSING
 from vllm_router_ext.testing.near_tie import build_near_tie_checkpoint
 
 LABELS = ["fp32", "bf16-fp32out", "bf16", "fp32 batch-invariant", "bf16-fp32out batch-invariant"]
@@ -43,7 +46,48 @@ def test_cli_on_the_tiny_checkpoint(tiny_model, tmp_path):
     for label in ("fp32", "bf16-fp32out", "fp32 batch-invariant", "bf16-fp32out batch-invariant"):
         assert o[label]["rel_err"] <= 1e-6
     assert 1e-4 <= o["bf16"]["rel_err"] <= 1e-2
-    assert (out / "audit.png").stat().st_size > 1000
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "audit.png").stat().st_size > 1000
+    else:  # an environment without the plot extra
+        assert PLOT_MISSING in p.stdout
+
+
+def test_without_matplotlib_the_tables_and_json_still_come(tiny_model, tmp_path):
+    """A plain install (no ``plot`` extra): matplotlib cannot be imported, the audit still prints
+    every table and writes its JSON, and one line says how to get the plot."""
+    hidden = tmp_path / "hide" / "matplotlib"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError(\"No module named 'matplotlib'\")\n")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(hidden.parent), os.environ.get("PYTHONPATH")])),
+    }
+    out = tmp_path / "audit"
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_router_ext.audit",
+        str(tiny_model),
+        "--tokens",
+        "64",
+        "--out",
+        str(out),
+    ]
+    p = subprocess.run([*cmd, "--no-progress"], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert "| all | bf16-fp32out batch-invariant |" in p.stdout
+    assert json.loads((out / "audit.json").read_text(encoding="utf-8"))["tokens"] == 64
+    assert not (out / "audit.png").exists()
+    assert p.stdout.rstrip().endswith(PLOT_MISSING)
+
+
+def test_the_benchmark_plot_is_skipped_without_matplotlib(monkeypatch, tmp_path):
+    import vllm_router_ext.bench as bench
+
+    monkeypatch.setattr(bench, "pyplot", lambda: None)
+    row = {"shape": "DeepSeek-V3", "K": 7168, "N": 256, "M": 1, "cublas": 7.0, "floor_us": 1.0}
+    assert bench.plot([row], ["cublas"], tmp_path / "bench.png") is False
+    assert not (tmp_path / "bench.png").exists()
 
 
 def test_console_script_runs_on_the_tiny_checkpoint(tiny_model, tmp_path):

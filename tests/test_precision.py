@@ -13,12 +13,10 @@ from vllm_router_ext.precision import (
     CONFIG_KEY,
     ENV_VAR,
     RouterPrecision,
-    RouterSettings,
     bf16_round_trip_exact,
     resolve_batch_invariant,
     resolve_router_precision,
     resolve_router_settings,
-    upgrade_auto_for_weight,
 )
 
 # Precedence order, highest first, with the keyword resolve_router_precision takes.
@@ -36,21 +34,21 @@ def test_values_are_exactly_the_documented_ones():
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("value", CONCRETE)
 def test_each_source_alone(source, value):
-    p, src, from_auto, overridden = resolve_router_precision(
+    p, src, overridden = resolve_router_precision(
         architecture="DeepseekV3ForCausalLM", **{source: value}
     )
-    assert p.value == value and not from_auto and overridden == ()
+    assert p.value == value and overridden == ()
 
 
 @pytest.mark.parametrize("hi,lo", list(itertools.combinations(SOURCES, 2)))
 def test_every_pair_of_conflicting_sources_higher_wins(hi, lo):
-    p, src, _, overridden = resolve_router_precision(
+    p, src, overridden = resolve_router_precision(
         architecture="DeepseekV3ForCausalLM", **{hi: "fp32", lo: "bf16"}
     )
     assert p is RouterPrecision.FP32
     assert len(overridden) == 1 and overridden[0][1] == "bf16"
     # ...and the other way round.
-    p, _, _, overridden = resolve_router_precision(
+    p, _, overridden = resolve_router_precision(
         architecture="DeepseekV3ForCausalLM", **{hi: "bf16", lo: "fp32"}
     )
     assert p is RouterPrecision.BF16 and overridden[0][1] == "fp32"
@@ -58,17 +56,17 @@ def test_every_pair_of_conflicting_sources_higher_wins(hi, lo):
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_every_source_beats_moe_router_dtype(source):
-    p, _, _, overridden = resolve_router_precision(
+    p, _, overridden = resolve_router_precision(
         architecture="DeepseekV3ForCausalLM", moe_router_dtype="float32", **{source: "bf16"}
     )
     assert p is RouterPrecision.BF16 and overridden == (("HF config moe_router_dtype='float32'", "fp32"),)
 
 
 def test_moe_router_dtype_beats_architecture_table():
-    p, src, from_auto, _ = resolve_router_precision(
+    p, src, _ = resolve_router_precision(
         architecture="DeepseekV3ForCausalLM", moe_router_dtype="float32"
     )
-    assert p is RouterPrecision.FP32 and "moe_router_dtype" in src and not from_auto
+    assert p is RouterPrecision.FP32 and "moe_router_dtype" in src
 
 
 @pytest.mark.parametrize(
@@ -84,12 +82,17 @@ def test_moe_router_dtype_beats_architecture_table():
     ],
 )
 def test_architecture_table(arch):
-    p, src, from_auto, _ = resolve_router_precision(architecture=arch)
-    assert p is RouterPrecision.BF16_FP32OUT and from_auto and arch in src
+    p, src, _ = resolve_router_precision(architecture=arch)
+    assert p is RouterPrecision.FP32 and src == f"auto: architecture {arch}"
+
+
+def test_auto_leaves_other_models_stock():
+    p, src, _ = resolve_router_precision(architecture="Glm4MoeForCausalLM")
+    assert p is RouterPrecision.BF16 and "not in the DeepSeek-V2 family" in src
 
 
 def test_auto_means_not_set_at_that_level():
-    p, src, _, _ = resolve_router_precision(architecture="DeepseekV3ForCausalLM", cli="auto", env="fp32")
+    p, src, _ = resolve_router_precision(architecture="DeepseekV3ForCausalLM", cli="auto", env="fp32")
     assert p is RouterPrecision.FP32 and ENV_VAR in src
 
 
@@ -148,14 +151,3 @@ def test_bf16_round_trip_exactness(gen):
     assert not bf16_round_trip_exact(w)
     assert bf16_round_trip_exact(w.to(torch.bfloat16).float())
     assert bf16_round_trip_exact(w.to(torch.bfloat16))
-
-
-def test_auto_upgrades_to_fp32_only_for_inexact_fp32_weights(gen):
-    auto = RouterSettings(RouterPrecision.BF16_FP32OUT, "auto: architecture X", from_auto=True)
-    w = torch.randn(8, 32, generator=gen)
-    up = upgrade_auto_for_weight(auto, w)
-    assert up.precision is RouterPrecision.FP32 and "fp32" in up.source
-    assert upgrade_auto_for_weight(auto, w.to(torch.bfloat16).float()) is auto
-    assert upgrade_auto_for_weight(auto, w.to(torch.bfloat16)) is auto
-    explicit = RouterSettings(RouterPrecision.BF16_FP32OUT, "--router-precision")
-    assert upgrade_auto_for_weight(explicit, w) is explicit  # an explicit choice is never changed

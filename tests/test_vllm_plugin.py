@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata as md
+import subprocess
 import sys
 
 import pytest
@@ -88,6 +89,28 @@ def test_gate_outside_the_override_is_stock_vllm(vllm_dist, gen):
     assert router.router_settings is None
 
 
+def test_gate_in_scope_turns_off_every_vllm_tier_a_later_one_too(vllm_dist, monkeypatch):
+    """Every ``allow_*`` GEMM tier of the installed GateLinear is off in our gate, and so is one
+    that a later vLLM release adds (emulated here), while a gate outside the scope keeps it."""
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    from vllm_router_ext.layers.gate import router_settings_scope
+
+    stock_init = GateLinear.__init__
+
+    def init_with_a_new_tier(self, *args, **kwargs):
+        stock_init(self, *args, **kwargs)
+        self.allow_next_release_gemm = True
+
+    monkeypatch.setattr(GateLinear, "__init__", init_with_a_new_tier)
+    with router_settings_scope(RouterSettings(RouterPrecision.BF16_FP32OUT, "test")):
+        gate = _gate()
+    tiers = {name: value for name, value in vars(gate).items() if name.startswith("allow_")}
+    assert "allow_next_release_gemm" in tiers and "allow_cublas_router_gemm" in tiers
+    assert not any(tiers.values()), tiers
+    assert _gate().allow_next_release_gemm  # stock vLLM outside the scope
+
+
 @pytest.mark.parametrize("mode", ["fp32", "bf16-fp32out", "bf16"])
 def test_gate_in_scope_runs_the_mode(vllm_dist, gen, mode):
     from vllm_router_ext.layers.gate import RouterGemm, router_settings_scope
@@ -109,24 +132,21 @@ def test_gate_in_scope_runs_the_mode(vllm_dist, gen, mode):
 
 
 @pytest.mark.parametrize(
-    "settings_precision,from_auto,weight_kind,expect_precision,expect_dtype",
+    "precision,weight_kind,expect_dtype",
     [
-        ("bf16-fp32out", True, "fp32-inexact", "fp32", torch.float32),  # auto's fp32-checkpoint rule
-        ("bf16-fp32out", True, "fp32-exact", "bf16-fp32out", torch.bfloat16),
-        ("bf16-fp32out", True, "bf16", "bf16-fp32out", torch.bfloat16),
-        ("fp32", False, "fp32-inexact", "fp32", torch.float32),
-        ("fp32", False, "fp32-exact", "fp32", torch.bfloat16),  # kept bf16: round trip exact
-        ("fp32", False, "bf16", "fp32", torch.bfloat16),
-        ("bf16-fp32out", False, "fp32-inexact", "bf16-fp32out", torch.bfloat16),  # explicit: rounds
+        ("fp32", "fp32-inexact", torch.float32),  # an fp32 checkpoint gate bf16 cannot hold: kept
+        ("fp32", "fp32-exact", torch.bfloat16),  # kept bf16: round trip exact
+        ("fp32", "bf16", torch.bfloat16),
+        ("bf16-fp32out", "fp32-inexact", torch.bfloat16),  # asked for: rounds (with a warning)
+        ("bf16-fp32out", "fp32-exact", torch.bfloat16),
+        ("bf16-fp32out", "bf16", torch.bfloat16),
     ],
 )
-def test_weight_storage_rules_at_load(
-    vllm_dist, gen, settings_precision, from_auto, weight_kind, expect_precision, expect_dtype
-):
+def test_weight_storage_rules_at_load(vllm_dist, gen, precision, weight_kind, expect_dtype):
     from vllm_router_ext.layers.gate import router_settings_scope
     from vllm_router_ext.ops.reference import reference_logits, relative_error
 
-    settings = RouterSettings(RouterPrecision(settings_precision), "test", from_auto=from_auto)
+    settings = RouterSettings(RouterPrecision(precision), "test")
     with router_settings_scope(settings):
         gate = _gate(128, 16)
     w = torch.randn(16, 128, generator=gen) / 11.3
@@ -136,7 +156,7 @@ def test_weight_storage_rules_at_load(
         w = w.to(torch.bfloat16)
     gate.weight_loader(gate.weight, w)
     gate.quant_method.process_weights_after_loading(gate)
-    assert gate.router_precision.value == expect_precision
+    assert gate.router_precision.value == precision
     assert gate.weight.dtype == expect_dtype
     # an fp32 weight also gets its three bf16 terms (the CUDA dispatch's large-M GEMM); exact
     terms = gate.router_weight_terms
@@ -146,13 +166,16 @@ def test_weight_storage_rules_at_load(
         assert torch.equal(terms.double().view(3, 16, 128).sum(0), gate.weight.double())
     x = torch.randn(9, 128, generator=gen).to(torch.bfloat16)
     out, _ = gate(x)
-    ref_w = w if expect_precision == "fp32" else w.to(torch.bfloat16)
+    ref_w = w if precision == "fp32" else w.to(torch.bfloat16)
     assert relative_error(out, reference_logits(x, ref_w)) <= 1e-6
 
 
 def test_cli_flags_in_vllm_serve_parser(vllm_dist):
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    try:
+        from vllm.entrypoints.common.cli_args import make_arg_parser  # vLLM 0.33
+    except ImportError:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser  # vLLM 0.32
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser())
@@ -173,12 +196,39 @@ def test_cli_flags_in_vllm_serve_parser(vllm_dist):
     assert e.value.code == 2
 
 
-def test_missing_vllm_api_gives_one_clear_error(monkeypatch):
-    from vllm_router_ext import MIN_VLLM, _plugin
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.33.0", "0.33.1.dev4+g1234abc"])
+def test_supported_vllm_versions_load(version):
+    from vllm_router_ext._plugin import check_vllm_version
 
-    monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.fused_moe.router.gate_linear", None)
-    with pytest.raises(ImportError, match=f"needs vLLM >= {MIN_VLLM}"):
-        _plugin._check_vllm()
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "nightly"])
+def test_an_unsupported_vllm_is_named_with_the_supported_ones(version):
+    from vllm_router_ext._plugin import UnsupportedVllmError, check_vllm_version
+
+    with pytest.raises(UnsupportedVllmError) as e:
+        check_vllm_version(version)
+    msg = str(e.value)
+    assert f"this is vLLM {version}." in msg and "supports vLLM 0.32.x and 0.33.x" in msg
+    assert "pip install 'vllm>=0.32,<0.34'" in msg and "VLLM_PLUGINS" in msg
+
+
+def test_vllm_loading_the_plugin_on_an_unsupported_vllm_stops_with_that_error(tmp_path):
+    """Through vLLM's own plugin loader (as every vLLM process runs it): the last line says what is
+    wrong and what to do, nothing from deep inside vLLM."""
+    code = (
+        "import vllm; vllm.__version__ = '0.34.0'\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert p.returncode == 1
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("vllm_router_ext._plugin.UnsupportedVllmError: vllm-router-ext supports vLLM")
+    assert "0.32.x and 0.33.x; this is vLLM 0.34.0" in last
 
 
 def test_a_bad_table_override_stops_the_model_build(vllm_dist, table_env):

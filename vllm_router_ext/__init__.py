@@ -6,8 +6,10 @@ Importing this package does no vLLM, GPU or logging work; vLLM calls :func:`regi
 
 __version__ = "0.1.0"
 
-#: The oldest vLLM whose GateLinear / PluggableLayer this plugin replaces.
-MIN_VLLM = "0.32.0"
+#: The vLLM releases this plugin supports: (major, minor) from, up to but not including. Their
+#: GateLinear, PluggableLayer and DeepSeek-V2 model file are what the plugin replaces and wraps.
+SUPPORTED_VLLM: tuple[tuple[int, int], tuple[int, int]] = ((0, 32), (0, 34))
+SUPPORTED_VLLM_TEXT = "0.32.x and 0.33.x"
 
 
 def register() -> None:

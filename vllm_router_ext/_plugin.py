@@ -4,21 +4,39 @@ from __future__ import annotations
 
 import threading
 
-from vllm_router_ext import MIN_VLLM
+from vllm_router_ext import SUPPORTED_VLLM, SUPPORTED_VLLM_TEXT
 
 _LOCK = threading.Lock()
 _DONE = False
 
 
-def _check_vllm() -> None:
+class UnsupportedVllmError(RuntimeError):
+    pass
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise :class:`UnsupportedVllmError` naming ``version`` and the supported releases unless
+    ``version`` (e.g. ``0.33.0``, ``0.32.0+cpu``, ``0.33.1.dev4+g1234``) is one of them."""
+    from packaging.version import InvalidVersion, Version
+
     try:
-        from vllm.model_executor.custom_op import PluggableLayer  # noqa: F401
-        from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear  # noqa: F401
-    except ImportError as e:
-        raise ImportError(
-            f"vllm-router-ext needs vLLM >= {MIN_VLLM} (PluggableLayer and GateLinear); "
-            f"this vLLM lacks them: {e}"
-        ) from e
+        release = Version(version).release[:2]
+    except InvalidVersion:
+        release = None
+    low, high = SUPPORTED_VLLM
+    if release is None or not low <= release < high:
+        raise UnsupportedVllmError(
+            f"vllm-router-ext supports vLLM {SUPPORTED_VLLM_TEXT}; this is vLLM {version}. Install a "
+            f"supported vLLM (pip install 'vllm>={low[0]}.{low[1]},<{high[0]}.{high[1]}'), or run "
+            "without the plugin: pip uninstall vllm-router-ext, or leave it out of VLLM_PLUGINS "
+            "(a comma-separated list of the plugins vLLM loads)."
+        )
+
+
+def _check_vllm() -> None:
+    import vllm
+
+    check_vllm_version(vllm.__version__)
 
 
 def register_all() -> None:

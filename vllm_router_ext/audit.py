@@ -27,6 +27,7 @@ import torch
 from vllm_router_ext.ops import router_gemm
 from vllm_router_ext.ops.reference import RoutingConfig, changed_expert_sets, select_experts
 from vllm_router_ext.ops.router_gemm import fp32_weight_terms
+from vllm_router_ext.plotting import PLOT_MISSING, pyplot
 from vllm_router_ext.precision import DEEPSEEK_V2_FAMILY
 
 DEEPSEEK_MODEL_TYPES = ("deepseek", "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa")
@@ -92,6 +93,11 @@ def load_gate(ckpt: Checkpoint, layer: int) -> tuple[torch.Tensor, torch.Tensor 
     cfg = ckpt.config
     n, k = int(cfg["n_routed_experts"]), int(cfg["hidden_size"])
     w = ckpt.tensor(f"model.layers.{layer}.mlp.gate.weight")
+    if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise AuditError(
+            f"layer {layer}: gate weight is stored as {w.dtype}; the audit needs an unquantized gate "
+            "(bfloat16, float16 or float32), as DeepSeek's FP8 releases store it"
+        )
     if tuple(w.shape) != (n, k):
         raise AuditError(
             f"layer {layer}: gate weight has shape {tuple(w.shape)}, config says [{n}, {k}] "
@@ -259,12 +265,12 @@ def format_tables(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
+def plot(result: dict, path: Path) -> bool:
+    """Write the per-layer plot; False (nothing written) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    from matplotlib.ticker import MaxNLocator
 
     layers = [int(i) for i in result["layers"]]
     fig, ax = plt.subplots(figsize=(max(6, len(layers) * 0.15 + 4), 4))
@@ -276,7 +282,7 @@ def plot(result: dict, path: Path) -> None:
             ms=3,
             label=label,
         )
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("MoE layer")
     ax.set_ylabel("% tokens with a changed expert set vs fp64")
     ax.set_title(Path(result["model"]).name)
@@ -284,6 +290,7 @@ def plot(result: dict, path: Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,9 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit.json").write_text(json.dumps(result, indent=1))
-    plot(result, out / "audit.png")
     print(format_tables(result))
-    print(f"\nwrote {out / 'audit.json'} and {out / 'audit.png'}")
+    if plot(result, out / "audit.png"):
+        print(f"\nwrote {out / 'audit.json'} and {out / 'audit.png'}")
+    else:
+        print(f"\nwrote {out / 'audit.json'}; {PLOT_MISSING}")
     return 0
 
 

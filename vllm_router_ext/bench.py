@@ -36,6 +36,7 @@ from vllm_router_ext.benchmarking import (
 from vllm_router_ext.ops import router_gemm
 from vllm_router_ext.ops.reference import changed_expert_sets, select_experts
 from vllm_router_ext.ops.router_gemm import fp32_weight_terms
+from vllm_router_ext.plotting import PLOT_MISSING, pyplot
 
 METHODS = {  # each called as fn(x, w, w32, w32_terms)
     "ours bf16-fp32out": lambda x, w, *_: router_gemm(x, w, "bf16-fp32out"),
@@ -217,12 +218,11 @@ def print_tables(rows: list[dict], methods: list[str]) -> None:
             print(f"| {r['M']} | " + " | ".join(cells) + f" | {r['floor_us']:.2f} |")
 
 
-def plot(rows: list[dict], methods: list[str], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[dict], methods: list[str], path: Path) -> bool:
+    """Write the µs-vs-M plot; False (nothing written) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4.5), squeeze=False)
     for ax, shape in zip(axes[0], shapes, strict=True):
@@ -240,6 +240,7 @@ def plot(rows: list[dict], methods: list[str], path: Path) -> None:
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,8 +279,11 @@ def main(argv: list[str] | None = None) -> int:
 
     save([])
     rows = run_speed(shapes, [int(m) for m in args.m.split(",")], methods, on_shape_done=save)
-    plot(rows, methods, out / "bench.png")
     print_tables(rows, methods)
+    print(
+        f"wrote {out / 'bench.json'}"
+        + (f" and {out / 'bench.png'}" if plot(rows, methods, out / "bench.png") else f"; {PLOT_MISSING}")
+    )
     return 0
 
 

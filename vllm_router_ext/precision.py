@@ -7,9 +7,9 @@ Resolution, first source that is set wins (``auto`` at any level means "not set 
 3. the environment variable ``VLLM_ROUTER_PRECISION``,
 4. the model's HF config key ``router_precision`` (settable with ``--hf-overrides``),
 5. vLLM's own HF config key ``moe_router_dtype: "float32"`` -> ``fp32``,
-6. the architecture table (``auto``): ``bf16-fp32out`` for the DeepSeek-V2 family; upgraded to
-   ``fp32`` at weight-load time when the checkpoint's gate weight is fp32 with values bf16 cannot
-   hold (see :func:`upgrade_auto_for_weight`).
+6. the architecture table (``auto``): ``fp32`` for the DeepSeek-V2 family (fp32 accumulation of
+   the exact bf16 products changes no expert set where ``bf16-fp32out`` changes a few in 10^4, at
+   about the same speed), the stock ``bf16`` for any other model.
 
 Batch invariance: ``--router-batch-invariant`` / ``additional_config["router_batch_invariant"]`` /
 vLLM's ``VLLM_BATCH_INVARIANT=1``.
@@ -32,7 +32,7 @@ BATCH_INVARIANT_KEY = "router_batch_invariant"
 CLI_BATCH_INVARIANT_KEY = "router_batch_invariant_cli"
 
 #: Architectures that vLLM 0.32 maps to ``deepseek_v2.py`` (Kimi-K2 and Mistral-Large-3 reuse the
-#: V3 class). ``auto`` resolves to ``bf16-fp32out`` for all of them.
+#: V3 class). ``auto`` resolves to ``fp32`` for all of them.
 DEEPSEEK_V2_FAMILY: tuple[str, ...] = (
     "DeepseekForCausalLM",
     "DeepseekV2ForCausalLM",
@@ -94,9 +94,6 @@ class RouterSettings:
     source: str
     batch_invariant: bool = False
     batch_invariant_source: str = "default"
-    #: ``precision`` came from the architecture table and may still become fp32 when the
-    #: checkpoint's gate weight turns out to need it.
-    from_auto: bool = False
     #: (source, value) pairs that were set but lost to a higher-precedence source.
     overridden: tuple[tuple[str, str], ...] = field(default=())
 
@@ -120,10 +117,10 @@ def resolve_router_precision(
     env: Any = None,
     hf_config: Any = None,
     moe_router_dtype: Any = None,
-) -> tuple[RouterPrecision, str, bool, tuple[tuple[str, str], ...]]:
+) -> tuple[RouterPrecision, str, tuple[tuple[str, str], ...]]:
     """Resolve one precision from its sources; pure function of its arguments.
 
-    Returns ``(precision, source, from_auto, overridden)``. Every set source is validated, also
+    Returns ``(precision, source, overridden)``. Every set source is validated, also
     those that lose, so a typo anywhere is an error rather than silently ignored.
     """
     candidates: list[tuple[str, RouterPrecision]] = []
@@ -141,12 +138,12 @@ def resolve_router_precision(
     if candidates:
         source, precision = candidates[0]
         overridden = tuple((s, p.value) for s, p in candidates[1:] if p is not precision)
-        return precision, source, False, overridden
+        return precision, source, overridden
 
     if architecture in DEEPSEEK_V2_FAMILY + DEEPSEEK_V2_DRAFTS:
-        return RouterPrecision.BF16_FP32OUT, f"auto: architecture {architecture}", True, ()
+        return RouterPrecision.FP32, f"auto: architecture {architecture}", ()
     # Not a family we own: keep vLLM's behaviour (bf16 logits unless vLLM asks otherwise).
-    return RouterPrecision.BF16, f"auto: architecture {architecture} not in the DeepSeek-V2 family", True, ()
+    return RouterPrecision.BF16, f"auto: architecture {architecture} not in the DeepSeek-V2 family", ()
 
 
 def _parse_bool(value: Any, source: str) -> bool:
@@ -183,7 +180,7 @@ def resolve_router_settings(vllm_config: Any) -> RouterSettings:
     hf_config = model_config.hf_config
     extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
     archs = list(getattr(hf_config, "architectures", None) or [])
-    precision, source, from_auto, overridden = resolve_router_precision(
+    precision, source, overridden = resolve_router_precision(
         architecture=archs[0] if archs else None,
         cli=extra.get(CLI_CONFIG_KEY),
         additional_config=extra.get(CONFIG_KEY),
@@ -201,7 +198,6 @@ def resolve_router_settings(vllm_config: Any) -> RouterSettings:
         source=source,
         batch_invariant=batch_invariant,
         batch_invariant_source=bi_source,
-        from_auto=from_auto,
         overridden=overridden,
     )
 
@@ -212,18 +208,3 @@ def bf16_round_trip_exact(weight: torch.Tensor) -> bool:
         return True
     w = weight.detach()
     return bool(torch.equal(w.to(torch.bfloat16).to(w.dtype), w))
-
-
-def upgrade_auto_for_weight(settings: RouterSettings, loaded_weight: torch.Tensor) -> RouterSettings:
-    """The last rule of ``auto``: an fp32 checkpoint gate that bf16 cannot hold selects ``fp32``."""
-    if not settings.from_auto or settings.precision is RouterPrecision.FP32:
-        return settings
-    if loaded_weight.dtype == torch.float32 and not bf16_round_trip_exact(loaded_weight):
-        return RouterSettings(
-            precision=RouterPrecision.FP32,
-            source="auto: checkpoint stores the gate weight in fp32 with values bf16 cannot hold",
-            batch_invariant=settings.batch_invariant,
-            batch_invariant_source=settings.batch_invariant_source,
-            from_auto=False,
-        )
-    return settings

@@ -23,7 +23,6 @@ from vllm_router_ext.precision import (
     RouterPrecision,
     RouterSettings,
     bf16_round_trip_exact,
-    upgrade_auto_for_weight,
 )
 
 # Under "vllm." so vLLM's handlers and format apply.
@@ -131,12 +130,11 @@ class RouterGateLinear(GateLinear):
         # fp32 mode, fp32 weight: its three bf16 terms (made when the weight is loaded) for the
         # large-M GEMM on CUDA. Not a checkpoint tensor.
         self.router_weight_terms: torch.Tensor | None = None
-        # Our op owns every token count: switch off GateLinear's own tiers.
-        self.allow_ll_bf16_gemm = False
-        self.allow_fp32_router_gemm = False
-        self.allow_bf16x3_router_gemm = False
-        self.allow_cublas_router_gemm = False
-        self.allow_rocm_bf16x3_router_gemm = False
+        # Our op owns every token count: switch off every GEMM tier this GateLinear has (each is
+        # an ``allow_*`` flag), also those a later vLLM adds. ``forward`` never calls GateLinear's
+        # tiers either; the flags keep anything that reads them (weight processing) off too.
+        for tier in [name for name in vars(self) if name.startswith("allow_")]:
+            setattr(self, tier, False)
         # On the CPU platform vLLM's GEMM dispatch would repack ``weight`` for oneDNN and delete
         # it after loading; our op reads ``weight`` itself.
         self._cpu_skip_gemm_dispatch = True
@@ -149,7 +147,7 @@ class RouterGateLinear(GateLinear):
     def weight_loader(self, param: torch.nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if self.router_settings is None or param is not self.weight:
             return super().weight_loader(param, loaded_weight)
-        settings = upgrade_auto_for_weight(self.router_settings, loaded_weight)
+        settings = self.router_settings
         exact = bf16_round_trip_exact(loaded_weight)
         if settings.precision is RouterPrecision.FP32:
             keep_bf16 = exact and param.dtype == torch.bfloat16
@@ -160,16 +158,13 @@ class RouterGateLinear(GateLinear):
             if not exact and loaded_weight.dtype == torch.float32 and storage != torch.float32:
                 logger.warning_once(
                     "vllm-router-ext: the checkpoint stores %s in fp32 with values bf16 cannot "
-                    "hold; router precision %s rounds them. Use --router-precision fp32 (or "
-                    "auto) to keep them.",
+                    "hold; router precision %s rounds them. Use --router-precision fp32 (auto's "
+                    "choice) to keep them.",
                     self.prefix,
                     settings.precision.value,
                 )
         if storage != param.dtype:
             param.data = torch.empty(param.shape, dtype=storage, device=param.device)
-        if settings is not self.router_settings:
-            self.router_settings = settings
-            self.router_gemm = RouterGemm(settings.precision, settings.batch_invariant)
         super().weight_loader(param, loaded_weight)
         # Made again at every load (weight updates too), so the terms never go stale. Only the
         # CUDA dispatch reads them, in the fp32 mode without batch invariance (forward_native

@@ -1,9 +1,12 @@
-"""Build a tiny random DeepSeek-V3 checkpoint and a byte-level BPE tokenizer, fully offline.
+"""Build a tiny random DeepSeek-family checkpoint and a byte-level BPE tokenizer, fully offline.
 
 The checkpoint uses DeepSeek's original tensor names (what vLLM's ``deepseek_v2.py`` loads) and
-the MLA sizes vLLM's CPU backends accept (``kv_lora_rank + qk_rope_head_dim == 576``).
+the MLA sizes vLLM's CPU backends accept (``kv_lora_rank + qk_rope_head_dim == 576``). The
+routing is DeepSeek-V3's on 16 experts, or that of a real release (``--model``, with its expert
+count); ``--fp8`` writes DeepSeek-V3's FP8 block-quantized layout.
 
-    python -m vllm_router_ext.testing.tiny_checkpoint OUT_DIR [--gate-dtype float32] [--seed 0]
+    python -m vllm_router_ext.testing.tiny_checkpoint OUT_DIR [--model kimi-k2] [--fp8]
+        [--gate-dtype float32] [--seed 0]
 """
 
 from __future__ import annotations
@@ -43,6 +46,45 @@ TINY_V3 = dict(
     bos_token_id=0,
     eos_token_id=1,
 )
+
+
+#: The routing of each DeepSeek-family release, as its config.json states it (expert count, group
+#: top-k, scoring, scaling), on the tiny body above. Dense layers, attention and sizes stay tiny.
+ROUTING_PRESETS: dict[str, dict] = {
+    "deepseek-v2": dict(
+        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", n_routed_experts=160,
+        num_experts_per_tok=6, n_group=8, topk_group=3, topk_method="group_limited_greedy",
+        scoring_func="softmax", routed_scaling_factor=16.0, norm_topk_prob=False, n_shared_experts=2,
+    ),
+    "deepseek-v2-lite": dict(
+        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", n_routed_experts=64,
+        num_experts_per_tok=6, n_group=1, topk_group=1, topk_method="greedy", scoring_func="softmax",
+        routed_scaling_factor=1.0, norm_topk_prob=False, n_shared_experts=2,
+    ),
+    "deepseek-v3": dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", n_routed_experts=256,
+        num_experts_per_tok=8, n_group=8, topk_group=4, topk_method="noaux_tc", scoring_func="sigmoid",
+        routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1,
+    ),
+    "kimi-k2": dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2", n_routed_experts=384,
+        num_experts_per_tok=8, n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",
+        routed_scaling_factor=2.827, norm_topk_prob=True, n_shared_experts=1,
+    ),
+    # The two DSA models: DeepSeek-V3's routing (V3.2) or GLM-5's, plus the sparse-attention indexer.
+    "deepseek-v3.2": dict(
+        architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", n_routed_experts=256,
+        num_experts_per_tok=8, n_group=8, topk_group=4, topk_method="noaux_tc", scoring_func="sigmoid",
+        routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1,
+        index_n_heads=4, index_head_dim=128, index_topk=64,
+    ),
+    "glm-5": dict(
+        architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", n_routed_experts=256,
+        num_experts_per_tok=8, n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",
+        routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1,
+        index_n_heads=4, index_head_dim=128, index_topk=64,
+    ),
+}  # fmt: skip
 
 
 def _config_dict(arch: str, overrides: dict) -> dict:
@@ -98,7 +140,8 @@ def _tensors(cfg: dict, gen: torch.Generator, gate_dtype: torch.dtype) -> dict[s
         # Gate weights ~ N(0, 1/H): logits of O(1), so sigmoid scores sit close together and the
         # bf16-vs-fp32 choice of experts is visible even in a model this small.
         t[m + "gate.weight"] = rand(E, H, dtype=torch.float32).to(gate_dtype)
-        t[m + "gate.e_score_correction_bias"] = torch.randn(E, generator=gen) * 1e-3
+        if cfg["topk_method"] == "noaux_tc":  # the other methods have no bias
+            t[m + "gate.e_score_correction_bias"] = torch.randn(E, generator=gen) * 1e-3
         for e in range(E):
             x = f"{m}experts.{e}."
             t[x + "gate_proj.weight"] = rand(moe_i, H)
@@ -128,6 +171,35 @@ def _tensors(cfg: dict, gen: torch.Generator, gate_dtype: torch.dtype) -> dict[s
     t["model.norm.weight"] = ones(H)
     t["lm_head.weight"] = rand(V, H)
     return t
+
+
+#: DeepSeek-V3's own ``quantization_config``: e4m3 weights in 128 x 128 blocks, dynamic activations.
+FP8_QUANTIZATION_CONFIG = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+FP8_BLOCK = 128
+
+
+def _is_fp8_linear(name: str) -> bool:
+    """The linear layers DeepSeek-V3's FP8 release stores in fp8: attention and MLP / expert
+    projections. The router gate, norms, embeddings, LM head and MTP's eh_proj stay bf16."""
+    return name.endswith(("_proj.weight", "_proj_with_mqa.weight")) and not name.endswith("eh_proj.weight")
+
+
+def fp8_block_quantize(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight e4m3, weight_scale_inv fp32 [ceil(out/block), ceil(in/block)])`` with
+    ``weight * scale_inv`` ~ ``w`` per block, as in DeepSeek-V3's FP8 checkpoints."""
+    out_f, in_f = w.shape
+    bo, bi = -(-out_f // block), -(-in_f // block)
+    padded = torch.zeros(bo * block, bi * block)
+    padded[:out_f, :in_f] = w.float()
+    blocks = padded.view(bo, block, bi, block)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    q = (blocks / scale[:, None, :, None]).view(bo * block, bi * block)[:out_f, :in_f]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale.float()
 
 
 def _write_tokenizer(out: Path, vocab_size: int) -> None:
@@ -168,17 +240,28 @@ def build_tiny_deepseek_v3(
     config_overrides: dict | None = None,
     tensor_overrides: dict[str, torch.Tensor] | None = None,
     mtp_layers: int = 0,
+    fp8: bool = False,
 ) -> Path:
     """Write config.json, model.safetensors (+ index) and a tokenizer into ``out_dir``.
-    ``mtp_layers`` > 0 adds DeepSeek-V3's multi-token-prediction layers (speculative decoding)."""
+    ``mtp_layers`` > 0 adds DeepSeek-V3's multi-token-prediction layers (speculative decoding).
+    ``fp8``: the layout of DeepSeek-V3's FP8 release: its ``quantization_config``, every attention
+    and MLP projection in e4m3 with a ``weight_scale_inv`` per 128 x 128 block, the router gate
+    (and its fp32 bias) unquantized; sizes are whole blocks where vLLM shards them."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = _config_dict(arch, {"num_nextn_predict_layers": mtp_layers, **(config_overrides or {})})
+    fp8_sizes = {"q_lora_rank": FP8_BLOCK} if fp8 else {}
+    overrides = {"num_nextn_predict_layers": mtp_layers, **fp8_sizes, **(config_overrides or {})}
+    cfg = _config_dict(arch, overrides)
+    if fp8:
+        cfg["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     gen = torch.Generator().manual_seed(seed)
     tensors = _tensors(cfg, gen, gate_dtype)
     tensors.update(tensor_overrides or {})
+    if fp8:
+        for name in [n for n in tensors if _is_fp8_linear(n)]:
+            tensors[name], tensors[name + "_scale_inv"] = fp8_block_quantize(tensors[name])
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     index = {
@@ -192,6 +275,17 @@ def build_tiny_deepseek_v3(
     )
     _write_tokenizer(out, cfg["vocab_size"])
     return out
+
+
+def build_tiny_model(out_dir: str | Path, model: str, *, seed: int = 0, **kwargs) -> Path:
+    """:func:`build_tiny_deepseek_v3` with the routing of ``model`` (a key of :data:`ROUTING_PRESETS`);
+    experts are narrow (``moe_intermediate_size`` 32) so that hundreds of them stay small."""
+    if model not in ROUTING_PRESETS:
+        raise ValueError(f"unknown model {model!r}; allowed: {', '.join(ROUTING_PRESETS)}")
+    preset = dict(ROUTING_PRESETS[model])
+    arch = preset.pop("architectures")[0]
+    overrides = {"moe_intermediate_size": 32, **preset, **kwargs.pop("config_overrides", {})}
+    return build_tiny_deepseek_v3(out_dir, seed=seed, arch=arch, config_overrides=overrides, **kwargs)
 
 
 def build_tiny_deepseek_eagle_head(out_dir: str | Path, *, seed: int = 0, target_layers: int = 2) -> Path:
@@ -231,11 +325,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gate-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--mtp-layers", type=int, default=0, help="multi-token-prediction layers (MTP)")
+    p.add_argument("--model", choices=list(ROUTING_PRESETS), default=None, help="another model's routing")
+    p.add_argument("--fp8", action="store_true", help="DeepSeek-V3's FP8 block-quantized layout")
     args = p.parse_args(argv)
-    path = build_tiny_deepseek_v3(
-        args.out_dir, seed=args.seed, gate_dtype=getattr(torch, args.gate_dtype), mtp_layers=args.mtp_layers
+    kwargs = dict(
+        seed=args.seed, gate_dtype=getattr(torch, args.gate_dtype), mtp_layers=args.mtp_layers, fp8=args.fp8
     )
-    print(f"tiny DeepSeek-V3 checkpoint written to {path}")
+    if args.model:
+        path = build_tiny_model(args.out_dir, args.model, **kwargs)
+    else:
+        path = build_tiny_deepseek_v3(args.out_dir, **kwargs)
+    print(f"tiny {args.model or 'deepseek-v3'}{' (fp8)' if args.fp8 else ''} checkpoint written to {path}")
     return 0
 
 
