@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: any of the steps below, in order. Runs without vLLM; outputs under $OUT.
-#   bash scripts/gpu_check.sh [tests] [tests-gpu] [ncu] [tune] [tune-rest] [tune-targeted] [tune-fp32] [tune-bi] [tests-k] [probe] [bench]
+#   bash scripts/gpu_check.sh [tests] [tests-gpu] [tune] [tune-rest] [tune-targeted] [tune-fp32] [tune-bi] [tests-k] [bench]
+# The bench step times the peer kernel too: FlashInfer's when it imports, else $PEER (a Python file
+# defining peer_mm(x, w), SHAPES and MS) when that exists.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -14,9 +16,6 @@ for step in "$@"; do
              tests/test_router_gemm_op.py tests/test_selfcheck.py 2>&1 | tee "$OUT/pytest.log" | grep -vE "^DEBUG|^\s*$" | tail -25 ;;
     tests-gpu) timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 \
              | tee "$OUT/pytest.log" | grep -vE "^DEBUG|^\s*$" | tail -25 ;;
-    ncu) timeout 120 ncu --clock-control none --profile-from-start off --csv \
-           --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
-           python3 benchmarks/ncu_probe.py > "$OUT/ncu.csv" 2>&1; grep -E "gpu__time_duration|dram__bytes" "$OUT/ncu.csv" | cut -c1-220 | tail -24 ;;
     tune) timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune.py --out "$OUT/nvidia_h200.json" 2>&1 \
              | tee "$OUT/tune.log" | grep -E "M=(1|16|256|16384):|batch-invariant|done|wrote|Error|error"
           cp "$OUT/nvidia_h200.json" "$TABLE" ;;
@@ -26,11 +25,11 @@ for step in "$@"; do
           timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune.py --merge "$OUT/nvidia_h200.json" --out "$OUT/nvidia_h200.json" \
              --shapes DeepSeek-V3,Kimi-K2,DeepSeek-V2 --bi-only 2>&1 | tee -a "$OUT/tune.log" | grep -E "batch-invariant|differs|done|Error|error"
           cp "$OUT/nvidia_h200.json" "$TABLE" ;;
-    tune-targeted) # the probe's and the full search's winners at small M (all modes) and mid M (fp32)
+    tune-targeted) # the full search's winners at small M (all modes) and mid M (fp32)
           timeout "${TUNE_TIMEOUT:-220}" python3 benchmarks/tune.py --merge "$TABLE" --out "$OUT/nvidia_h200.json" --targeted \
              --m 1,2,4,8,16,128,256,512,1024,2048,4096,8192 2>&1 | tee "$OUT/tune.log" | grep -E "M=(1|16|1024):|done|Error|error"
           cp "$OUT/nvidia_h200.json" "$TABLE" ;;
-    tune-fp32) # the fp32 mode from 512 tokens, with the Hopper wgmma_ws kernel (session 8's retune)
+    tune-fp32) # the fp32 mode from 512 tokens, with the Hopper wgmma_ws kernel
           timeout "${TUNE_TIMEOUT:-370}" python3 benchmarks/tune.py --merge "$TABLE" --out "$OUT/nvidia_h200.json" --targeted \
              --modes fp32 --m 512,1024,2048,4096,8192,16384 2>&1 | tee "$OUT/tune.log" | grep -E "M=|done|Error|error"
           cp "$OUT/nvidia_h200.json" "$TABLE" ;;
@@ -38,11 +37,11 @@ for step in "$@"; do
           timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune.py --merge "$TABLE" --out "$OUT/nvidia_h200.json" --bi-only \
              ${TUNE_ARGS:-} 2>&1 | tee -a "$OUT/tune.log" | grep -E "batch-invariant|differs|done|Error|error"
           cp "$OUT/nvidia_h200.json" "$TABLE" ;;
-    probe) timeout "${PROBE_TIMEOUT:-400}" python3 benchmarks/probe.py --out "$OUT" --sections "${PROBE_SECTIONS:-bismall}" 2>&1 \
-             | tee "$OUT/probe.log" | grep -vE "^\s*$" | tail -120 ;;
     tests-k) timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k "${TESTS_K}" 2>&1 \
              | tee "$OUT/pytest-k.log" | grep -vE "^DEBUG|^\s*$" | tail -25 ;;
-    bench) timeout "${BENCH_TIMEOUT:-600}" python3 -m vllm_router_ext.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -vE "^\s+[A-Za-z0-9-]+ M=" | tail -150 ;;
-    *) echo "unknown step $step (tests, tests-gpu, tests-k, ncu, tune, tune-rest, tune-targeted, tune-fp32, tune-bi, probe, bench)"; exit 2 ;;
+    bench) peer=(); [ -f "${PEER:-}" ] && peer=(--peer "$PEER")
+           timeout "${BENCH_TIMEOUT:-600}" python3 -m vllm_router_ext.bench --out "$OUT" "${peer[@]}" ${BENCH_ARGS:-} 2>&1 \
+             | tee "$OUT/bench.log" | grep -vE "^\s+[A-Za-z0-9-]+ M=" | tail -150 ;;
+    *) echo "unknown step $step (tests, tests-gpu, tests-k, tune, tune-rest, tune-targeted, tune-fp32, tune-bi, bench)"; exit 2 ;;
   esac
 done

@@ -12,17 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_router_ext.testing.tiny_checkpoint import ROUTING_PRESETS, build_tiny_model
+from vllm_router_ext.testing.tiny_checkpoint import ROUTING_PRESETS, build_tiny_model, cpu_runs_fp8
 
 _LAYER = itertools.count(1)  # vLLM refuses two layers of one name in a process
-
-
-def has_amx() -> bool:
-    """vLLM's CPU build runs FP8 block-quantized linear layers only with AMX (Sapphire Rapids+)."""
-    try:
-        return "amx_tile" in Path("/proc/cpuinfo").read_text(encoding="utf-8")
-    except OSError:
-        return False
 
 
 def _vllm_config(path: Path, parallel_config):
@@ -116,7 +108,7 @@ def test_an_fp8_checkpoint_keeps_our_gate_unquantized(vllm_dist, tmp_path, gen, 
     cfg = _vllm_config(path, vllm_dist.parallel_config)
     assert isinstance(cfg.quant_config, Fp8Config) and cfg.quant_config.weight_block_size == [128, 128]
 
-    block, settings = _moe_block(cfg, drop_shared_experts=not has_amx())
+    block, settings = _moe_block(cfg, drop_shared_experts=not cpu_runs_fp8())
     methods = {type(m.quant_method).__name__ for m in block.modules() if hasattr(m, "quant_method")}
     assert any("Fp8" in name and "MoE" in name for name in methods), methods  # the routed experts
     gate = block.gate

@@ -87,15 +87,54 @@ def test_each_mode_generates_and_routes_like_fp64(tiny_model, run_offline, mode,
     assert len(lines) == 1 and f"router precision {expect}" in lines[0]
 
 
-def test_auto_selects_fp32_for_an_fp32_checkpoint_bf16_cannot_hold(tmp_path, run_offline):
+def test_auto_keeps_an_fp32_checkpoint_gate_in_fp32(tmp_path, run_offline):
     from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
 
     model = build_tiny_deepseek_v3(tmp_path / "fp32-gate", seed=3, gate_dtype=torch.float32)
     result = run_offline(model)
     (g,) = result["gates"][0]
     assert g["precision"] == "fp32" and g["weight_dtype"] == "torch.float32"
-    assert "checkpoint stores the gate weight in fp32" in g["source"]
+    assert g["source"] == "auto: architecture DeepseekV3ForCausalLM"
     _check_gate_records(result, model, "fp32")
+
+
+@pytest.mark.parametrize("model", ["deepseek-v2", "deepseek-v2-lite", "kimi-k2"])
+def test_each_release_cpu_vllm_runs_generates_and_routes_like_fp64(tmp_path, run_offline, model):
+    """Each release's routing (softmax with group-limited or plain greedy top-k, 160 / 64 experts;
+    Kimi-K2's 384 experts in one group), served by the override with auto's precision. DeepSeek-V3.2
+    and GLM-5 are built in test_architectures.py: CPU vLLM has no sparse attention for them."""
+    from vllm_router_ext.testing.tiny_checkpoint import ROUTING_PRESETS, build_tiny_model
+
+    path = build_tiny_model(tmp_path / model, model)
+    arch = ROUTING_PRESETS[model]["architectures"][0]
+    result = run_offline(path)
+    assert all(len(t) > 0 for t in result["texts"])
+    (g,) = result["gates"][0]
+    assert g["model_class"] == f"vllm_router_ext.models.deepseek_v2.{arch}"
+    assert g["precision"] == "fp32" and g["source"] == f"auto: architecture {arch}"
+    assert g["out_dtype"] == "torch.float32"
+    _check_gate_records(result, path, "fp32")
+
+
+def test_an_fp8_checkpoint_generates_with_our_gate(tmp_path, run_offline):
+    """DeepSeek-V3's FP8 layout end to end: needs vLLM's CPU FP8 linear kernels, i.e. AMX."""
+    from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3, cpu_runs_fp8
+
+    if not cpu_runs_fp8():
+        pytest.skip(
+            "vLLM's CPU build runs FP8 block-quantized linear layers only with AMX (Sapphire Rapids or "
+            "newer) and this CPU has none; test_architectures.py builds the FP8 MoE block on any CPU"
+        )
+    path = build_tiny_deepseek_v3(tmp_path / "fp8", fp8=True)
+    result = run_offline(path)
+    assert all(len(t) > 0 for t in result["texts"])
+    (g,) = result["gates"][0]
+    assert (
+        g["class"] == "RouterGateLinear"
+        and g["precision"] == "fp32"
+        and g["weight_dtype"] == "torch.bfloat16"
+    )
+    _check_gate_records(result, path, "fp32")
 
 
 def test_hf_overrides_and_env_sources_reach_the_workers(tiny_model, run_offline):

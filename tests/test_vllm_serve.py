@@ -1,4 +1,5 @@
-"""``vllm serve`` with the plugin's flag, on 127.0.0.1 (real vLLM, CPU build)."""
+"""``vllm serve`` with the plugin's flag, on 127.0.0.1 (real vLLM). The argument-parsing tests start
+no engine and run on every supported vLLM; the ``vllm``-marked ones serve on the CPU build."""
 
 from __future__ import annotations
 
@@ -8,9 +9,7 @@ import pytest
 
 from vllm_router_ext.testing.server import cpu_env, precision_lines, serve, vllm_command
 
-pytestmark = pytest.mark.vllm
-
-
+@pytest.mark.vllm
 def test_serve_with_router_precision_answers_completions(tiny_model, tmp_path, monkeypatch):
     # A lower-precedence source that disagrees: the flag wins, with one warning naming both.
     monkeypatch.setenv("VLLM_ROUTER_PRECISION", "fp32")
@@ -57,6 +56,7 @@ def test_serve_help_lists_the_flags(tmp_path):
     assert "--router-batch-invariant" in p.stdout
 
 
+@pytest.mark.vllm
 def test_demo_main_job(tmp_path):
     """The README's main job (scripts/demo.sh runs exactly this module after the setup)."""
     import sys

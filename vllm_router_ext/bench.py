@@ -4,8 +4,10 @@
 
 Speed: every M of ``M_LIST`` on the five DeepSeek-family shapes; each method is captured R times
 back to back in one CUDA graph over R rotated weight/input copies (> 3x the L2), timed with
-``triton.testing.do_bench`` (median of replays) / R. Prints µs and the ratio to cuBLAS measured in
-the same run; writes ``bench.json`` and ``bench.png`` (µs vs M, log-log).
+``triton.testing.do_bench`` (median of replays) / R. Prints µs, the ratio to cuBLAS and to the
+peer kernel (TRT-LLM's ``dsv3RouterGemm`` through FlashInfer, or ``--peer FILE``; M <= 16 on the
+shapes it serves) measured in the same run; writes ``bench.json`` and ``bench.png`` (µs vs M,
+log-log; the plot needs the ``plot`` extra).
 
 Accuracy: 8192 random tokens per shape (x ~ N(0,1), W ~ N(0,1/K), bf16): relative error vs an
 fp64 reference and the % of tokens whose expert set (the model's own routing) changes.
@@ -27,8 +29,11 @@ import torch.nn.functional as F
 
 from vllm_router_ext.benchmarking import (
     M_LIST,
+    PEER,
     SHAPES,
+    Peer,
     floor_us,
+    load_peer,
     make_inputs,
     rotation_copies,
     time_graph,
@@ -102,7 +107,8 @@ def environment() -> dict:
     }
 
 
-def run_speed(shapes, ms, methods, on_shape_done=None) -> list[dict]:
+def run_speed(shapes, ms, methods, on_shape_done=None, peer: Peer | None = None) -> list[dict]:
+    """µs per call of each method (and of ``peer`` where it serves the shape and M: else None)."""
     rows = []
     for shape in shapes:
         for m in ms:
@@ -124,6 +130,10 @@ def run_speed(shapes, ms, methods, on_shape_done=None) -> list[dict]:
                     for x, w, w32, t in zip(xs, ws, w32s, terms, strict=True)
                 ]
                 row[name] = time_graph(calls, warmup=10, rep=50)
+            if peer is not None:
+                served = peer.serves(m, shape.k, shape.n)
+                calls = [lambda x=x, w=w: peer.fn(x, w) for x, w in zip(xs, ws, strict=True)]
+                row[PEER] = time_graph(calls, warmup=10, rep=50) if served else None
             rows.append(row)
             base = row.get(BASELINE)
             print(
@@ -132,6 +142,11 @@ def run_speed(shapes, ms, methods, on_shape_done=None) -> list[dict]:
                 + (
                     f"  | ours/cuBLAS={row['ours bf16-fp32out'] / base:.2f}"
                     if base and "ours bf16-fp32out" in row
+                    else ""
+                )
+                + (
+                    f"  peer={row[PEER]:.2f} ours/peer={row['ours bf16-fp32out'] / row[PEER]:.2f}"
+                    if row.get(PEER) and "ours bf16-fp32out" in row
                     else ""
                 ),
                 flush=True,
@@ -206,16 +221,26 @@ def run_fp32_by_m(ms=(1, 7, 16, 300, 4096, 16384)) -> list[dict]:
     return rows
 
 
+def _cell(r: dict, name: str) -> str:
+    """µs, (ratio to cuBLAS), [ratio to the peer] for our columns where the peer ran."""
+    if r.get(name) is None:
+        return "-"
+    base, peer = r.get(BASELINE), r.get(PEER)
+    text = f"{r[name]:.2f}" + (f" ({r[name] / base:.2f})" if base else "")
+    return text + (f" [{r[name] / peer:.2f}]" if peer and name.startswith("ours") else "")
+
+
 def print_tables(rows: list[dict], methods: list[str]) -> None:
+    peer = any(r.get(PEER) for r in rows)
+    cols = methods + ([PEER] if peer else [])
     for shape in dict.fromkeys(r["shape"] for r in rows):
         sub = [r for r in rows if r["shape"] == shape]
-        print(f"\n### {shape} (K={sub[0]['K']}, N={sub[0]['N']}): µs per call, (ratio to cuBLAS)")
-        print("| M | " + " | ".join(methods) + " | floor |")
-        print("|---:|" + "---:|" * (len(methods) + 1))
+        what = "(ratio to cuBLAS)" + (" [ratio to the peer]" if peer else "")
+        print(f"\n### {shape} (K={sub[0]['K']}, N={sub[0]['N']}): µs per call, {what}")
+        print("| M | " + " | ".join(cols) + " | floor |")
+        print("|---:|" + "---:|" * (len(cols) + 1))
         for r in sub:
-            base = r.get(BASELINE)
-            cells = [f"{r[n]:.2f} ({r[n] / base:.2f})" if base else f"{r[n]:.2f}" for n in methods]
-            print(f"| {r['M']} | " + " | ".join(cells) + f" | {r['floor_us']:.2f} |")
+            print(f"| {r['M']} | " + " | ".join(_cell(r, n) for n in cols) + f" | {r['floor_us']:.2f} |")
 
 
 def plot(rows: list[dict], methods: list[str], path: Path) -> bool:
@@ -228,8 +253,10 @@ def plot(rows: list[dict], methods: list[str], path: Path) -> bool:
     for ax, shape in zip(axes[0], shapes, strict=True):
         sub = [r for r in rows if r["shape"] == shape]
         ms = [r["M"] for r in sub]
-        for name in methods:
-            ax.plot(ms, [r[name] for r in sub], marker="o", ms=3, label=name)
+        for name in methods + [PEER]:
+            points = [(r["M"], r[name]) for r in sub if r.get(name) is not None]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", ms=3, label=name)
         ax.plot(ms, [r["floor_us"] for r in sub], "k--", lw=1, label="HBM floor")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -250,6 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--m", default=",".join(map(str, M_LIST)))
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"from: {', '.join(METHODS)}")
     p.add_argument("--skip-accuracy", action="store_true")
+    p.add_argument(
+        "--peer",
+        default=None,
+        help="a Python file defining peer_mm(x, w), SHAPES and MS (default: FlashInfer's router GEMMs)",
+    )
     args = p.parse_args(argv)
     names = args.shapes.split(",")
     unknown = [n for n in names if n not in {s.name for s in SHAPES}]
@@ -266,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = environment()
+    peer, peer_note = load_peer(args.peer)
+    env = {**environment(), "peer": peer_note}
     print(json.dumps(env))
     result = {"environment": env}
     if not args.skip_accuracy:
@@ -278,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "bench.json").write_text(json.dumps(result, indent=1))
 
     save([])
-    rows = run_speed(shapes, [int(m) for m in args.m.split(",")], methods, on_shape_done=save)
+    rows = run_speed(shapes, [int(m) for m in args.m.split(",")], methods, on_shape_done=save, peer=peer)
     print_tables(rows, methods)
     print(
         f"wrote {out / 'bench.json'}"

@@ -89,3 +89,58 @@ def time_rotated_into(fn: Callable, xs, ws, warmup: int = 25, rep: int = 100) ->
 def floor_us(m: int, k: int, n: int, bandwidth_tbs: float = 4.3) -> float:
     """Bytes (bf16 weight + bf16 activations + fp32 logits) over the measured copy bandwidth."""
     return ((n * k + m * k) * 2 + m * n * 4) / (bandwidth_tbs * 1e12) * 1e6
+
+
+#: The peer router GEMM: TRT-LLM's ``dsv3RouterGemm`` (what vLLM, SGLang and FlashInfer run for
+#: M <= 16), as FlashInfer exposes it: (K, N) -> function(x, w.T, out, launch_with_pdl).
+FLASHINFER_ROUTER_GEMMS = {
+    (7168, 256): "mm_M1_16_K7168_N256",
+    (7168, 384): "mm_M1_16_K7168_N384",
+    (6144, 256): "mm_M1_16_K6144_N256",
+}
+PEER_MAX_M = 16
+PEER = "peer (TRT-LLM dsv3RouterGemm)"
+
+
+@dataclass(frozen=True)
+class Peer:
+    """``fn(x, w) -> fp32 logits`` where ``serves(m, k, n)``; ``source`` says where it came from."""
+
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    shapes: tuple[tuple[int, int], ...]
+    ms: tuple[int, ...]
+    source: str
+
+    def serves(self, m: int, k: int, n: int) -> bool:
+        return (k, n) in self.shapes and m in self.ms
+
+
+def load_peer(path: str | None = None) -> tuple[Peer | None, str]:
+    """The peer kernel and a one-line note: from ``path`` (a Python file defining ``peer_mm(x, w)``,
+    ``SHAPES`` and ``MS``, e.g. a build of TRT-LLM's kernel from source), else FlashInfer's when
+    it imports, else None with the note saying how to get it."""
+    if path:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("router_peer", path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"--peer {path!r}: not a Python file")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        peer = Peer(mod.peer_mm, tuple(mod.SHAPES), tuple(mod.MS), f"{path} (peer_mm)")
+        return peer, f"peer: {peer.source}"
+    try:
+        import flashinfer.gemm as fi
+    except Exception as e:  # noqa: BLE001 -- any import failure means "no peer here"
+        return (
+            None,
+            f"peer skipped: flashinfer is not importable ({type(e).__name__}); pip install flashinfer-python",
+        )
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=torch.float32)
+        getattr(fi, FLASHINFER_ROUTER_GEMMS[(w.shape[1], w.shape[0])])(x, w.T, out, False)
+        return out
+
+    peer = Peer(fn, tuple(FLASHINFER_ROUTER_GEMMS), tuple(range(1, PEER_MAX_M + 1)), "flashinfer.gemm")
+    return peer, f"peer: {peer.source}"

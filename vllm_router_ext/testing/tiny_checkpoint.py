@@ -183,6 +183,15 @@ FP8_QUANTIZATION_CONFIG = {
 FP8_BLOCK = 128
 
 
+def cpu_runs_fp8() -> bool:
+    """Whether vLLM's CPU build can run this layout here: its FP8 block-scaled linear kernels need
+    AMX tiles (Sapphire Rapids or newer); elsewhere it refuses the first FP8 linear layer."""
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        return False
+
+
 def _is_fp8_linear(name: str) -> bool:
     """The linear layers DeepSeek-V3's FP8 release stores in fp8: attention and MLP / expert
     projections. The router gate, norms, embeddings, LM head and MTP's eh_proj stay bf16."""
