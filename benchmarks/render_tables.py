@@ -1,90 +1,134 @@
-"""Render a benchmark JSON (``python -m vllm_router_ext.bench``) as the speed tables of
-docs/benchmarks.md: µs per call and the ratio to cuBLAS measured in the same run.
+"""Render a benchmark JSON (``python -m vllm_router_ext.bench``) as docs/benchmarks.md shows it:
+one speed table per shape (µs per call, ×cuBLAS and ×peer measured in the same run), the
+accuracy table, and with ``--plots DIR`` one log-log plot per mode.
 
-    python benchmarks/render_tables.py benchmarks/results/bench-h200-<commit>.json
-    python benchmarks/render_tables.py --targets bench.json   # each column as the issues measure it
+    python benchmarks/render_tables.py benchmarks/results/bench-h200-<commit>.json [--plots docs/assets]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from collections import defaultdict
-from collections.abc import Callable
+from pathlib import Path
 
-COLUMNS = [  # (JSON key, table header)
-    ("ours bf16-fp32out", "ours bf16-fp32out"),
-    ("ours fp32", "ours fp32"),
-    ("ours bf16", "ours bf16"),
-    ("ours BI bf16-fp32out", "ours BI bf16-fp32out"),
-    ("ours BI fp32", "ours BI fp32"),
-    ("ours fp32 (fp32 weight)", "ours fp32, fp32 weight"),
-    ("cuBLAS mm out_dtype=fp32", "cuBLAS (mm, out fp32)"),
-    ("F.linear fp32 upcast", "F.linear fp32 upcast"),
-    ("F.linear bf16", "F.linear bf16"),
-]
 CUBLAS = "cuBLAS mm out_dtype=fp32"
+UPCAST = "F.linear fp32 upcast"
+PEER = "peer (TRT-LLM dsv3RouterGemm)"
+#: The page's M points (the benchmark may measure more).
+PAGE_MS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384)
+#: (JSON key, header): our columns carry ×cuBLAS and, where the peer ran, ×peer.
+COLUMNS = [
+    ("ours fp32", "fp32 (default)"),
+    ("ours bf16-fp32out", "bf16-fp32out"),
+    ("ours BI fp32", "batch-inv. fp32"),
+    (CUBLAS, "cuBLAS bf16→fp32"),
+    (UPCAST, "torch fp32 upcast"),
+    (PEER, "peer"),
+]
+#: mode -> our JSON key, for the plots.
+MODES = {"fp32": "ours fp32", "bf16-fp32out": "ours bf16-fp32out", "batch-invariant fp32": "ours BI fp32"}
+ACCURACY_PATHS = [
+    ("ours fp32", "ours fp32"),
+    ("ours BI fp32", "ours batch-invariant fp32"),
+    ("ours bf16-fp32out", "ours bf16-fp32out"),
+    ("cuBLAS bf16->fp32", "cuBLAS bf16→fp32"),
+    ("torch fp32 upcast", "torch fp32 upcast"),
+    ("ours bf16", "bf16 logits (stock vLLM)"),
+]
 
 
-def _tables(rows: list[dict], heading: str, headers: list[str], cells: Callable[[dict], list[str]]) -> str:
-    """One markdown table per shape (``heading``: its level), a row per M."""
-    by_shape: dict[str, list[dict]] = defaultdict(list)
+def _by_shape(rows: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
-        by_shape[r["shape"]].append(r)
+        if r["M"] in PAGE_MS:
+            out[r["shape"]].append(r)
+    return out
+
+
+def _cell(r: dict, key: str) -> str:
+    value = r.get(key)
+    if value is None:
+        return "-"
+    if not key.startswith("ours"):
+        return f"{value:.2f}"
+    text = f"{value:.2f} ({value / r[CUBLAS]:.2f}×)"
+    return text + (f" [{value / r[PEER]:.2f}×]" if r.get(PEER) else "")
+
+
+def render_speed(rows: list[dict]) -> str:
     out = []
-    for shape, rs in by_shape.items():
-        out.append(f"{heading} {shape} (K={rs[0]['K']}, N={rs[0]['N']})\n")
-        out.append("| M | " + " | ".join(headers) + " |")
-        out.append("|---:|" + "---:|" * len(headers))
-        out += [f"| {r['M']} | " + " | ".join(cells(r)) + " |" for r in rs]
+    for shape, rs in _by_shape(rows).items():
+        keys = [(k, h) for k, h in COLUMNS if any(r.get(k) is not None for r in rs)]
+        out.append(f"**{shape}** (K={rs[0]['K']}, N={rs[0]['N']})\n")
+        out.append("| M | " + " | ".join(h for _, h in keys) + " |")
+        out.append("|---:|" + "---:|" * len(keys))
+        out += [f"| {r['M']} | " + " | ".join(_cell(r, k) for k, _ in keys) + " |" for r in rs]
         out.append("")
     return "\n".join(out)
 
 
-def render(rows: list[dict]) -> str:
-    def cells(r: dict) -> list[str]:
-        return [
-            ""
-            if key not in r
-            else f"{r[key]:.2f}"
-            if key == CUBLAS
-            else f"{r[key]:.2f} ({r[key] / r[CUBLAS]:.2f}×)"
-            for key, _ in COLUMNS
-        ] + [f"{r['floor_us']:.2f}"]
-
-    return _tables(rows, "####", [h for _, h in COLUMNS] + ["HBM floor"], cells)
+def render_accuracy(rows: list[dict]) -> str:
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    got = {(r["shape"], r["path"]): r for r in rows}
+    out = ["| path | " + " | ".join(shapes) + " |", "|---|" + "---:|" * len(shapes)]
+    for key, label in ACCURACY_PATHS:
+        cells = [f"{got[s, key]['rel_err']:.1e} / {got[s, key]['changed_pct']:.3f} %" for s in shapes]
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
-def _fastest_bf16(r: dict) -> float:
-    return min(r["ours bf16-fp32out"], r[CUBLAS])
+def plot_modes(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
+    """One figure per mode: ours beside cuBLAS, torch's fp32 upcast and the peer, per shape."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    shapes = _by_shape(rows)
+    for mode, ours in MODES.items():
+        fig, axes = plt.subplots(1, len(shapes), figsize=(4 * len(shapes), 3.6), squeeze=False)
+        for ax, (shape, rs) in zip(axes[0], shapes.items(), strict=True):
+            for key, label, style in (
+                (ours, f"ours {mode}", "o-"),
+                (CUBLAS, "cuBLAS bf16→fp32", "s--"),
+                (UPCAST, "torch fp32 upcast", "^:"),
+                (PEER, "peer (TRT-LLM)", "d-"),
+            ):
+                points = [(r["M"], r[key]) for r in rs if r.get(key) is not None]
+                if points:
+                    ax.plot(*zip(*points, strict=True), style, ms=3, label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(shape, fontsize=9)
+            ax.set_xlabel("M (tokens)")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0][0].set_ylabel("µs per call")
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle(f"router GEMM, {mode} mode (H200, CUDA graph, median)", fontsize=10)
+        fig.tight_layout()
+        path = out_dir / f"{stem}-{mode.replace(' ', '-')}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
 
 
-#: (JSON key, header, what its ratio is to): the ratios the issues set their targets on.
-TARGET_COLUMNS = [
-    ("ours bf16-fp32out", "ours bf16-fp32out (x cuBLAS)", lambda r: r[CUBLAS]),
-    (CUBLAS, "cuBLAS (mm, out fp32)", None),
-    ("ours fp32", "ours fp32 (x ours bf16-fp32out)", lambda r: r["ours bf16-fp32out"]),
-    ("F.linear fp32 upcast", "F.linear fp32 upcast (x ours fp32)", lambda r: r["ours fp32"]),
-    ("ours BI bf16-fp32out", "ours BI bf16-fp32out (x fastest)", _fastest_bf16),
-    ("ours BI fp32", "ours BI fp32 (x ours fp32)", lambda r: r["ours fp32"]),
-]
-
-
-def render_targets(rows: list[dict]) -> str:
-    """One table per shape, each time with the ratio an issue's target is stated on: bf16-fp32out
-    to cuBLAS, ``fp32`` to bf16-fp32out, torch's fp32 upcast to ``fp32`` (how many times faster
-    we are), batch-invariant to the fastest non-invariant path of its mode."""
-
-    def cells(r: dict) -> list[str]:
-        return [
-            f"{r[key]:.2f}" + (f" ({r[key] / base(r):.2f}×)" if base else "")
-            for key, _, base in TARGET_COLUMNS
-        ]
-
-    return _tables(rows, "#####", [h for _, h, _ in TARGET_COLUMNS], cells)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("json")
+    p.add_argument("--plots", default=None, help="write bench-h200-<mode>.png files into this folder")
+    args = p.parse_args(argv)
+    data = json.loads(Path(args.json).read_text(encoding="utf-8"))
+    print(render_speed(data["speed"]))
+    if "accuracy" in data:
+        print(render_accuracy(data["accuracy"]))
+    if args.plots:
+        for path in plot_modes(data["speed"], Path(args.plots), "bench-h200"):
+            print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    targets = sys.argv[1] == "--targets"
-    speed = json.loads(open(sys.argv[-1]).read())["speed"]
-    print(render_targets(speed) if targets else render(speed))
+    raise SystemExit(main())

@@ -52,7 +52,7 @@ from vllm_router_ext.benchmarking import (  # noqa: E402
 from vllm_router_ext.ops.dispatch import dot_mode_for, run_config  # noqa: E402
 
 #: The M a full tune times: the benchmark's list and, between its 128, 256 and 512 tokens, 192 and
-#: 384 (session 15: other configs won inside those buckets, e.g. Kimi-K2 bf16-fp32out at 192
+#: 384 (other configs won inside those buckets, e.g. Kimi-K2 bf16-fp32out at 192
 #: tokens split-K 8.35 µs where the bucket tuned at 256 called cuBLAS, 9.44).
 TUNE_M_LIST = tuple(sorted((*M_LIST, 192, 384)))
 GEMV_MAX_M = 16
@@ -152,10 +152,10 @@ def splitk_candidates(m: int, mode: str) -> list[KernelConfig]:
 
 def _pipelined(cfg: KernelConfig) -> KernelConfig:
     """A pipelined split-K candidate as it can win: its split sum a second launch with PDL (with
-    the one-launch ticket these tiles measured up to 1.4x slower, session 11: 19.3 vs 13.5 µs,
+    the one-launch ticket these tiles measured up to 1.4x slower, 19.3 vs 13.5 µs,
     too slow to reach the :data:`REFINED` few whose launch forms are compared), and a split that
     is one MMA chain (bf16-fp32out, or an fp32 split as long as one promoted chain) looped over
-    its chunks (``flat_chain``; unrolled, nothing is left to pipeline). Session 14: bf16-fp32out's
+    its chunks (``flat_chain``; unrolled, nothing is left to pipeline). bf16-fp32out's
     128-512-token buckets had kept cuBLAS for both reasons; with them split-K beat it by up to 1.3x."""
     params = {**cfg.params, "ticket": False, "pdl": True}
     if one_chain_split(cfg):
@@ -275,7 +275,7 @@ def tune_shape(
     benchmark's list keeps ``old``'s bucket. Also the fastest Triton candidate per M.
     ``invariant``: the mode's batch-invariant buckets, whose config at each M is a candidate too
     (the non-invariant path should never be the slower one: on DeepSeek-V2-Lite at 32-256 tokens
-    it was, by up to 13 %, session 15)."""
+    it was, by up to 13 %)."""
     best_by_m: dict[int, tuple[float, KernelConfig]] = {}
     triton_by_m: dict[int, tuple[float, KernelConfig]] = {}
     for m in ms:
@@ -315,7 +315,7 @@ def tune_shape(
 #: follows the mode. Split sums in split order (float) or exact in fixed point: the fixed-point
 #: sum takes one atomic round trip instead of a ticket's three (faster at 1-16 tokens) but costs
 #: 64-bit conversions per split (slower from 256 tokens on the H200). K split 256 in split order
-#: (the Hopper heuristic's, session 12): twice the programs at small M, a second launch with PDL
+#: (the Hopper heuristic's): twice the programs at small M, a second launch with PDL
 #: adding 28 partials. The structure kept is the one with the fewest M over the issue's limits
 #: (1.5x the fastest non-invariant path up to 256 tokens, 2x above: ``bi_limit``), then the
 #: smallest worst ratio to them (``bi_rank``).
@@ -503,8 +503,8 @@ def tune_batch_invariant(
     return buckets
 
 
-#: --targeted: the winners of the full search on DeepSeek-V3 (tune-h200-976dd63.log) and of the
-#: design probe (results/probe-h200-gemv.log), timed per shape against the table's current config.
+#: --targeted: the winners of the full search on DeepSeek-V3 and of the GEMV design probe
+#: (benchmarks/NOTES.md), timed per shape against the table's current config.
 TARGETED_GEMV = {  # M -> (block_m, block_n, num_warps)
     1: [(1, 1, 8), (1, 1, 16), (1, 2, 4)],
     2: [(2, 1, 16), (2, 1, 8), (1, 2, 4)],
@@ -515,7 +515,7 @@ TARGETED_GEMV = {  # M -> (block_m, block_n, num_warps)
 TARGETED_FP32_MID = [(64, 64, 1024, 4), (64, 64, 2048, 4), (128, 128, 3584, 8)]
 #: The fp32 mode's warp-specialised wgmma kernel (Hopper): from this M, K split into these many
 #: parts (as long as the 128-row tiles times the splits stay within two per SM), 6 TMA stages
-#: (the probe's winner at every M: benchmarks/probe_pingpong.py; 5 for 192-wide tiles). Below
+#: (the winner at every M in its design probe, benchmarks/NOTES.md; 5 for 192-wide tiles). Below
 #: 512 tokens only a few tiles exist, so the K splits go up to 28 (chains of 256: 7168 / 256).
 WGMMA_WS_TUNE_FROM = 128
 WGMMA_WS_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 22, 28)

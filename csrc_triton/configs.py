@@ -193,7 +193,7 @@ def table_override(value: str) -> Iterator[None]:
 
 #: The fp32 mode's promotion: every FP32_PROMOTE_CHUNKS chunks of BLOCK_K (<= FP32_MAX_BLOCK_K) the
 #: MMA chain is added into the fp32 accumulator, so no tensor-core chain is longer than 256 along K.
-#: Measured on the H200 at K=7168, 8192 tokens (benchmarks/probe_promotion.py): chains of 128
+#: Measured on the H200 at K=7168, 8192 tokens (benchmarks/NOTES.md): chains of 128
 #: 1.4-1.8e-7 relative error, 256 2.4-2.5e-7, 512 4.8e-7, the whole K 7.9e-6; torch's fp32 upcast
 #: 2.4-5.6e-7. Never one chunk per chain: Triton folds ``acc + dot(a, b, 0)`` into
 #: ``dot(a, b, acc)``, which would silently make the whole K one chain again.
@@ -276,15 +276,14 @@ BI_SPLIT_PARTIALS_MAX = 6 << 20
 #: The warp-specialised wgmma kernel (``csrc_triton/router_gemm_wgmma_ws.py``, Hopper only) serves
 #: the fp32 mode from this M: 128-row tiles, 64-wide chunks in chains of 4 (256 along K), 6 TMA
 #: stages (196 KB of shared memory: one program per SM), K split so the tiles fill the SMs once.
-#: On the H200 (benchmarks/probe_pingpong.py) it beat the Triton fp32 kernels from 1024 tokens.
+#: On the H200 it beat the Triton fp32 kernels from 1024 tokens (benchmarks/NOTES.md).
 WGMMA_WS_FROM_M = 1024
 WGMMA_WS_BLOCK_M = 128
 WGMMA_WS_MAX_SPLITS = 8
 #: From this M, N a multiple of 192 above 256 (Kimi-K2's 384 experts) takes 192-wide tiles (128 +
 #: a 64-column tail, each consumer partition carrying its own 64 rows of it): a third less
 #: activation traffic from L2 per logit than 128-wide tiles. On the H200 they measured 0.87-0.98x
-#: the best 128-wide form's time at 2048-16384 tokens and lost at 1024
-#: (benchmarks/results/tune-h200-aee945e-192-wide.log).
+#: the best 128-wide form's time at 2048-16384 tokens and lost at 1024 (benchmarks/NOTES.md).
 WGMMA_WS_192_FROM_M = 2048
 
 
@@ -367,7 +366,7 @@ def wgmma_ws_split(m: int, k: int, n: int, block_n: int, sm_count: int, block_n_
 #: per SM (the 16-bit modes: 2, splits of 512, else cuBLAS; fp32: 1, splits of 512 or 1024, else
 #: 64-wide chunks in splits of 1024 / 2048 as before). 256 only where K < 4096 (DeepSeek-V2-Lite:
 #: 8 splits); 2048 measured 1.3-1.7x slower than these everywhere. The H200 table's winners there,
-#: generalised (benchmarks/probe_heuristic_mid_m.py, docs/benchmarks.md session 15).
+#: generalised (benchmarks/NOTES.md).
 MID_M_SPLIT_TO = {"fp32": WGMMA_WS_FROM_M - 1, "16-bit": 512}
 MID_M_PROGRAMS_PER_SM = {"fp32": 1, "16-bit": 2}
 
@@ -409,7 +408,7 @@ def heuristic_config(
     WGMMA_WS_192_FROM_M tokens where 192 divides N (above 256).
     On Hopper a split-K config that adds its splits across programs does so in a second kernel,
     launched with PDL (``split_sum_variants``): on the H200 that form won 48 of the 53 such table
-    buckets above 16 tokens and timed like the ticket below (docs/benchmarks.md, session 11); the
+    buckets above 16 tokens and timed like the ticket below (benchmarks/NOTES.md); the
     ``wgmma_ws`` sum stays a plain launch (PDL was slower there on full launches)."""
     cfg = _heuristic_kernel(
         m, k, n, mode, batch_invariant, sm_count, cublas, capability, wgmma_ws, fp32_weight

@@ -7,7 +7,7 @@ it reads a partial, so the logits are bitwise those of two plain launches.
 Why: a dependent kernel node in a CUDA graph costs ~1 µs of launch before it runs (H200). With PDL
 the first kernel lets the second launch at once (``griddepcontrol.launch_dependents`` at its
 start), so the second one's programs are resident and waiting when the last partial lands
-(``benchmarks/probe_pdl.py``: a GEMV behind a kernel that triggers early, 3.31 -> 2.35 µs).
+(measured on the H200: a GEMV behind a kernel that triggers early, 3.31 -> 2.35 µs).
 Hopper and newer (sm_90+) only; elsewhere, under the interpreter, or with
 ``VLLM_ROUTER_EXT_PDL=0`` both launches are plain (the kernels' PDL constexpr is False).
 """

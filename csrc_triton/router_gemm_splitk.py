@@ -270,7 +270,7 @@ def _splitk_partials_kernel(
             # into one accumulator as the unrolled group; acc starts at +0, so 0 + chain is
             # bitwise the chain (it cannot be -0). A config's choice: on the H200 it made long
             # splits (4-8 chunks, 128-512 tokens) beat cuBLAS, and short batch-invariant split
-            # tiles (2-4 chunks) slower (docs/benchmarks.md, session 14).
+            # tiles (2-4 chunks) slower (benchmarks/NOTES.md).
             for c in range(K_PER_SPLIT // BLOCK_K):
                 a, b = load_chunk(x_rows, w_cols, mask_m, mask_n, k_begin + c * BLOCK_K, K, BLOCK_K)
                 acc = mma(a, b, acc, DOT_MODE, UPCAST)
@@ -332,7 +332,7 @@ def _splitk_reduce_kernel(
 
 #: Logits per program of the split sum, and its warps. With 6 or more partials, programs of 512
 #: (twice as many programs: more loads in flight) measured faster on the H200
-#: (``benchmarks/probe_split_sum.py``: 14 partials of Kimi-K2 at 256 tokens 7.9 -> 5.2 µs alone,
+#: (14 partials of Kimi-K2 at 256 tokens 7.9 -> 5.2 µs alone,
 #: the fp32 op 11.3 -> 10.4 µs); with fewer, 512 and 1024 timed the same.
 _REDUCE_BLOCK = 1024
 _REDUCE_BLOCK_MANY = 512

@@ -12,7 +12,7 @@ lower-level dialect) one producer warp streams TMA loads of a [128, BLOCK_K] act
 and a [BLOCK_N, BLOCK_K] weight block into a num_stages-deep shared-memory ring, and two consumer
 warpgroups each own 64 rows of the 128 x BLOCK_N tile (sharing the weight block): while one
 drains and adds, the other's wgmmas keep the tensor cores busy, and the loads never wait on
-either. Measured on the H200 (``benchmarks/probe_pingpong.py``): 0.73-0.77x the Triton fp32
+either. Measured on the H200: 0.73-0.77x the Triton fp32
 kernel's time at 8192-16384 tokens, 1.01-1.24x cuBLAS's bf16 GEMM.
 
 More forms, with the same chains and adds per logit: a tile of 128 + a 16/32-column tail (160
@@ -42,7 +42,7 @@ from csrc_triton.pdl import launch_options, pdl_enabled, wait_for_primary
 MAX_CHAIN = 2 * FP32_MAX_BLOCK_K  # the fp32 mode's longest MMA chain along K
 #: ``pdl`` values: where the K-split kernel lets its split sum launch (programmatic dependent
 #: launch): at its start, or once each partition has issued its last load / chain. On the H200 the
-#: early trigger slowed launches that fill >= 112 of the 132 SMs (``benchmarks/probe_pdl_split_sum.py``).
+#: early trigger slowed launches that fill >= 112 of the 132 SMs.
 PDL_EARLY = 1
 PDL_LATE = 2
 

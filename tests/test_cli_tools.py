@@ -248,21 +248,52 @@ def test_tuner_keeps_the_fastest_triton_buckets_beside_wgmma_ws():
         c.load_table = orig
 
 
-def test_render_targets_states_each_ratio_on_what_its_issue_measures(tmp_path):
-    """``render_tables.py --targets``: bf16-fp32out against cuBLAS, fp32 against bf16-fp32out,
-    torch's upcast against fp32 (the speed-up), batch-invariant against its mode's fastest path
-    (bf16-fp32out's: the faster of ours and cuBLAS)."""
-    row = {
-        "shape": "S", "K": 64, "N": 8, "M": 4, "floor_us": 0.1, "ours bf16-fp32out": 4.0,
-        "cuBLAS mm out_dtype=fp32": 2.0, "ours fp32": 5.0, "F.linear fp32 upcast": 30.0,
-        "ours BI bf16-fp32out": 3.0, "ours BI fp32": 7.5,
-    }  # fmt: skip
+def test_render_tables_prints_each_shape_with_cublas_and_peer_ratios_and_plots(tmp_path):
+    """``render_tables.py``: our columns with (×cuBLAS) and, where the peer ran, [×peer]; "-"
+    where the peer does not serve an M; the accuracy table; one plot per mode."""
+    base = {"shape": "S", "K": 64, "N": 8, "floor_us": 0.1, "ours BI fp32": 7.5}
+    rows = [
+        {**base, "M": 4, "ours fp32": 5.0, "ours bf16-fp32out": 4.0, "cuBLAS mm out_dtype=fp32": 2.0,
+         "F.linear fp32 upcast": 30.0, "peer (TRT-LLM dsv3RouterGemm)": 2.5},
+        {**base, "M": 64, "ours fp32": 6.0, "ours bf16-fp32out": 5.0, "cuBLAS mm out_dtype=fp32": 5.0,
+         "F.linear fp32 upcast": 40.0, "peer (TRT-LLM dsv3RouterGemm)": None},
+    ]  # fmt: skip
+    paths = ["ours fp32", "ours BI fp32", "ours bf16-fp32out", "cuBLAS bf16->fp32", "torch fp32 upcast"]
+    accuracy = [{"shape": "S", "path": p, "rel_err": 2.5e-7, "changed_pct": 0.0} for p in paths]
+    accuracy.append({"shape": "S", "path": "ours bf16", "rel_err": 1.7e-3, "changed_pct": 2.649})
     path = tmp_path / "bench.json"
-    path.write_text(json.dumps({"speed": [row]}))
-    p = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "render_tables.py"), "--targets", str(path)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    path.write_text(json.dumps({"speed": rows, "accuracy": accuracy}))
+    cmd = [sys.executable, str(REPO / "benchmarks" / "render_tables.py"), str(path), "--plots", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("| 4 |"))
-    assert line == "| 4 | 4.00 (2.00×) | 2.00 | 5.00 (1.25×) | 30.00 (6.00×) | 3.00 (1.50×) | 7.50 (1.50×) |"
+    lines = p.stdout.splitlines()
+    assert (
+        "| 4 | 5.00 (2.50×) [2.00×] | 4.00 (2.00×) [1.60×] | 7.50 (3.75×) [3.00×] | 2.00 | 30.00 | 2.50 |"
+        in lines
+    )
+    assert "| 64 | 6.00 (1.20×) | 5.00 (1.00×) | 7.50 (1.50×) | 5.00 | 40.00 | - |" in lines
+    assert "| bf16 logits (stock vLLM) | 1.7e-03 / 2.649 % |" in lines
+    for mode in ("fp32", "bf16-fp32out", "batch-invariant-fp32"):
+        assert (tmp_path / f"bench-h200-{mode}.png").stat().st_size > 1000
+
+
+def test_the_peer_comes_from_a_file_or_flashinfer_or_a_note_says_how(tmp_path, monkeypatch, capsys):
+    from vllm_router_ext import bench
+    from vllm_router_ext.benchmarking import PEER, load_peer
+
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # not importable here
+    peer, note = load_peer()
+    assert peer is None and note.startswith("peer skipped: flashinfer is not importable")
+    assert "pip install flashinfer-python" in note
+    src = tmp_path / "peer.py"
+    src.write_text(
+        "MS = (1, 2)\nSHAPES = ((64, 8),)\n"
+        "def peer_mm(x, w):\n    return x.float() @ w.float().T\n"
+    )
+    peer, note = load_peer(str(src))
+    assert note == f"peer: {src} (peer_mm)"
+    assert peer.serves(2, 64, 8) and not peer.serves(4, 64, 8) and not peer.serves(1, 64, 16)
+    row = {"shape": "S", "K": 64, "N": 8, "M": 2, "floor_us": 0.1, "ours fp32": 3.0,
+           "cuBLAS mm out_dtype=fp32": 6.0, PEER: 2.0}  # fmt: skip
+    bench.print_tables([row], ["ours fp32", "cuBLAS mm out_dtype=fp32"])
+    assert "| 2 | 3.00 (0.50) [1.50] | 6.00 (1.00) | 2.00 (0.33) | 0.10 |" in capsys.readouterr().out

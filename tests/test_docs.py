@@ -12,6 +12,9 @@ EXERCISED = {
     # GPU tools: their CLIs are tested here; the runs themselves on the H200 (docs/benchmarks.md).
     "python -m vllm_router_ext.bench": "tests/test_cli_tools.py::test_bench_and_tune_help",
     "python benchmarks/tune.py": "tests/test_cli_tools.py::test_bench_and_tune_help",
+    "python benchmarks/render_tables.py": (
+        "tests/test_cli_tools.py::test_render_tables_prints_each_shape_with_cublas_and_peer_ratios_and_plots"
+    ),
     "bash scripts/setup_cpu_env.sh": "CI: .ci/run -> scripts/test.sh runs it first",
     "vllm serve --help=vllm-router-ext": "tests/test_vllm_serve.py::test_serve_help_lists_the_flags",
     "vllm-router-audit ": "tests/test_audit.py::test_console_script_runs_on_the_tiny_checkpoint",

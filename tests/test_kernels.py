@@ -516,8 +516,8 @@ def test_heuristic_mid_m_split_tiles_on_hopper():
     """65-512 tokens, not batch-invariant, Hopper: pipelined 64 x 64 split tiles, 128-wide chunks,
     the finest K split (256 only below K=4096, then 512, in fp32 also 1024) whose programs stay
     within 2 per SM (16-bit modes; else cuBLAS) or 1 per SM (fp32; else the older split of 1024 in
-    64-wide chunks); one chain a split loops flat. What probe_heuristic_mid_m.py measured fastest
-    on the H200, shape by shape (docs/benchmarks.md, session 15)."""
+    64-wide chunks); one chain a split loops flat. What measured fastest on the H200, shape by
+    shape (benchmarks/NOTES.md)."""
 
     def split(m, k, n, mode, **kw):
         cfg = heuristic_config(m, k, n, mode, False, 132, cublas=True, **kw)

@@ -149,7 +149,7 @@ def test_wgmma_ws_kernel_poisoned_and_accurate(shape, k_per_split, block_n):
 
 
 #: (consumer partitions, tail columns, K per split) of the wider and one-partition tile forms:
-#: 16/32-column tails on the first consumer for all 128 rows (session 9), a 64-column tail split
+#: 16/32-column tails on the first consumer for all 128 rows, a 64-column tail split
 #: between the two consumers, and one 8-warp consumer partition with 0-64-column tails
 WGMMA_WS_FORMS = [(2, tail, kps) for tail in (16, 32) for kps in (0, 1792)] + [
     (consumers, tail, kps)

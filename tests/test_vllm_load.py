@@ -79,6 +79,8 @@ def test_serve_under_load(tiny_model, tmp_path, flags):
         server.stop()
     log = server.log()
     assert len(precision_lines(log)) == 1
-    errors = [ln for ln in log.splitlines() if " ERROR " in ln or "Traceback" in ln]
+    # Until we stop it: after SIGINT vLLM may log its output handler seeing the engine gone.
+    serving = log.split("[shutdown]")[0].splitlines()
+    errors = [ln for ln in serving if " ERROR " in ln or "Traceback" in ln]
     assert not errors, errors[:5]
     assert rss[1] <= 1.10 * rss[0], f"server RSS grew from {rss[0] / 2**20:.0f} to {rss[1] / 2**20:.0f} MiB"

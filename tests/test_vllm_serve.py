@@ -7,7 +7,8 @@ import subprocess
 
 import pytest
 
-from vllm_router_ext.testing.server import cpu_env, precision_lines, serve, vllm_command
+from vllm_router_ext.testing.server import cpu_env, omp_threads_bind, precision_lines, serve, vllm_command
+
 
 @pytest.mark.vllm
 def test_serve_with_router_precision_answers_completions(tiny_model, tmp_path, monkeypatch):
@@ -27,6 +28,23 @@ def test_serve_with_router_precision_answers_completions(tiny_model, tmp_path, m
     warnings = [ln for ln in log.splitlines() if "overrides fp32 from environment variable" in ln]
     assert len(warnings) == 1 and "bf16-fp32out" in warnings[0]
     assert "'router_precision': 'bf16-fp32out'" in log  # vLLM's logged non-default args
+
+
+@pytest.mark.vllm
+def test_data_parallel_2_with_expert_parallel_every_engine_core_resolves_the_same(tiny_model, tmp_path):
+    """How DeepSeek-V3 is usually served (data-parallel attention, expert-parallel MoE), on the CPU
+    build: both engine cores build our gates with auto's precision and log it once each. Generation
+    is not tested here: vLLM 0.32's CPU build cannot run expert parallelism (its CPU communicator
+    raises NotImplementedError in all_gatherv at the first forward; docs/troubleshooting.md)."""
+    flags = ("--data-parallel-size", "2", "--enable-expert-parallel")
+    server = serve(tiny_model, tmp_path, *flags, env={"VLLM_CPU_OMP_THREADS_BIND": omp_threads_bind(2)})
+    server.stop()
+    lines = precision_lines(server.log())
+    assert len(lines) == 2, lines
+    assert {ln.split()[0] for ln in lines} == {"(Worker_DP0_EP0", "(Worker_DP1_EP1"}
+    for line in lines:
+        assert "router precision fp32 (from auto: architecture DeepseekV3ForCausalLM)" in line
+        assert "logits float32" in line
 
 
 def test_serve_rejects_an_unknown_precision_with_exit_2(tiny_model, tmp_path):

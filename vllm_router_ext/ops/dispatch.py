@@ -179,12 +179,10 @@ def _wgmma_ws_fallback(
 
 #: Where an fp32 gate weight's GEMM runs on its three bf16 terms (one promoted fp32-mode GEMM on
 #: the stacked [3N, K] terms, then hi + mid + lo per logit) rather than splitting fp32 weight tiles
-#: inside every program: from 1024 tokens and 128 experts. Measured on the H200
-#: (benchmarks/probe_fp32_weight.py): 0.32-0.81x the in-kernel split's time from 2048 tokens on
-#: the four large shapes (DeepSeek-V3 M=8192 682 -> 219 µs), and since the terms' GEMM runs on the
-#: warp-specialised wgmma kernel (Hopper) 0.31-0.66x at 1024 tokens too, 0.91-1.27x at 128-512
-#: (probe-fp32-weight-h200-33886d0.log); DeepSeek-V2-Lite (64 experts) 0.83-1.72x: it keeps the
-#: in-kernel split.
+#: inside every program: from 1024 tokens and 128 experts. Measured on the H200: 0.32-0.81x the
+#: in-kernel split's time from 2048 tokens on the four large shapes (DeepSeek-V3 M=8192 682 -> 219
+#: µs), 0.31-0.66x at 1024 tokens, 0.91-1.27x at 128-512; DeepSeek-V2-Lite (64 experts) 0.83-1.72x:
+#: it keeps the in-kernel split.
 FP32_WEIGHT_TERMS_FROM_M = 1024
 FP32_WEIGHT_TERMS_MIN_N = 128
 

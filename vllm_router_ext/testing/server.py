@@ -104,8 +104,11 @@ class Server:
         return self.proc.returncode
 
 
-def start_server(model_dir: Path, workdir: Path, *extra_args: str, port: int | None = None) -> Server:
-    """``vllm serve MODEL_DIR --host 127.0.0.1 ...`` in its own process group, logging to a file."""
+def start_server(
+    model_dir: Path, workdir: Path, *extra_args: str, port: int | None = None, env: dict | None = None
+) -> Server:
+    """``vllm serve MODEL_DIR --host 127.0.0.1 ...`` in its own process group, logging to a file;
+    ``env``: variables on top of :func:`cpu_env`."""
     port = port or free_port()
     log_path = workdir / f"vllm-serve-{port}.log"
     cmd = [
@@ -125,17 +128,23 @@ def start_server(model_dir: Path, workdir: Path, *extra_args: str, port: int | N
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(workdir), start_new_session=True
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**cpu_env(workdir), **(env or {})},
+            start_new_session=True,
         )
     return Server(proc=proc, port=port, log_path=log_path)
 
 
-def serve(model_dir: Path, workdir: Path, *extra_args: str, timeout: float = 420.0) -> Server:
+def serve(
+    model_dir: Path, workdir: Path, *extra_args: str, timeout: float = 420.0, env: dict | None = None
+) -> Server:
     """:func:`start_server` on a free port and wait until it is healthy. A port is free when picked
     and taken when vLLM binds it, seconds later: if another process took it meanwhile, start again
     on another (three tries)."""
     for attempt in range(3):
-        server = start_server(model_dir, workdir, *extra_args)
+        server = start_server(model_dir, workdir, *extra_args, env=env)
         try:
             server.wait_healthy(timeout)
             return server
