@@ -16,5 +16,6 @@ if [ "${ROUTER_EXT_SKIP_VLLM033:-0}" != "1" ]; then
   bash scripts/setup_vllm033_env.sh
   echo "[test] pytest (vLLM 0.33, CUDA wheel on CPU: no engine)"
   VLLM_TARGET_DEVICE=cpu .venv-vllm033/bin/pytest -q -m "not vllm and not gpu" tests/test_vllm_plugin.py \
-    tests/test_precision.py tests/test_vllm_serve.py tests/test_architectures.py tests/test_audit.py
+    tests/test_precision.py tests/test_vllm_serve.py tests/test_architectures.py tests/test_audit.py \
+    tests/test_capture.py
 fi

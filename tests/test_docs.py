@@ -17,6 +17,12 @@ EXERCISED = {
     ),
     "bash scripts/setup_cpu_env.sh": "CI: .ci/run -> scripts/test.sh runs it first",
     "vllm serve --help=vllm-router-ext": "tests/test_vllm_serve.py::test_serve_help_lists_the_flags",
+    "vllm-router-audit MODEL_DIR --hidden-states capture/": (
+        "tests/test_vllm_serve.py::test_serve_with_router_capture_then_audit_the_capture"
+    ),
+    "vllm serve MODEL_DIR --enforce-eager --router-capture": (
+        "tests/test_vllm_serve.py::test_serve_with_router_capture_then_audit_the_capture"
+    ),
     "vllm-router-audit ": "tests/test_audit.py::test_console_script_runs_on_the_tiny_checkpoint",
     "python -m vllm_router_ext.audit ": "tests/test_audit.py::test_cli_on_the_tiny_checkpoint",
     "python -m vllm_router_ext.testing.tiny_checkpoint": "tests/test_cli_tools.py::test_tiny_checkpoint_cli",

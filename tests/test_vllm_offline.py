@@ -145,14 +145,36 @@ def test_hf_overrides_and_env_sources_reach_the_workers(tiny_model, run_offline)
     assert g["precision"] == "fp32" and "VLLM_ROUTER_PRECISION" in g["source"]
 
 
-def test_tensor_parallel_2_both_ranks_use_the_resolved_precision(tiny_model, run_offline):
-    result = run_offline(tiny_model, additional_config={"router_precision": "fp32"}, tp=2)
+def test_tensor_parallel_2_both_ranks_use_the_resolved_precision(tiny_model, run_offline, tmp_path):
+    """...and a router capture is written once, by TP rank 0 (the gate is replicated)."""
+    capture = tmp_path / "capture"
+    extra = {"router_precision": "fp32", "router_capture_dir": str(capture), "router_capture_tokens": 8}
+    result = run_offline(tiny_model, additional_config=extra, tp=2)
+    assert sorted(p.name for p in capture.iterdir()) == [
+        "router-capture-1-dp0.json",
+        "router-capture-1-dp0.safetensors",
+    ]
+    meta = json.loads((capture / "router-capture-1-dp0.json").read_text(encoding="utf-8"))
+    assert meta["tensor_parallel_size"] == 2 and meta["tokens_per_layer"] == 8
     assert len(result["gates"]) == 2
     for rank_gates in result["gates"]:
         assert [g["precision"] for g in rank_gates] == ["fp32"]
         assert [g["out_dtype"] for g in rank_gates] == ["torch.float32"]
     assert all(len(t) > 0 for t in result["texts"])
     _check_gate_records(result, tiny_model, "fp32")
+
+
+def test_the_capture_holds_exactly_what_a_hook_on_the_gate_saw(tiny_model, run_offline, tmp_path):
+    from safetensors.torch import load_file
+
+    capture = tmp_path / "capture"
+    extra = {"router_capture_dir": str(capture), "router_capture_tokens": 16}
+    result = run_offline(tiny_model, additional_config=extra)
+    data = load_file(str(capture / "router-capture-1-dp0.safetensors"))
+    seen = [r for r in result["records"] if r["kind"] == "gate" and r["name"] == "model.layers.1.mlp.gate"]
+    x = torch.cat([r["x"] for r in seen])[:16]
+    logits = torch.cat([r["logits"] for r in seen])[:16]
+    assert torch.equal(data["layers.1"], x) and torch.equal(data["logits.1"], logits)
 
 
 def test_batch_invariant_request_reaches_gates_and_passes_the_startup_check(tiny_model, run_offline):

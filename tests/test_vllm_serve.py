@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+import torch
 
 from vllm_router_ext.testing.server import cpu_env, omp_threads_bind, precision_lines, serve, vllm_command
 
@@ -28,6 +29,54 @@ def test_serve_with_router_precision_answers_completions(tiny_model, tmp_path, m
     warnings = [ln for ln in log.splitlines() if "overrides fp32 from environment variable" in ln]
     assert len(warnings) == 1 and "bf16-fp32out" in warnings[0]
     assert "'router_precision': 'bf16-fp32out'" in log  # vLLM's logged non-default args
+
+
+@pytest.mark.vllm
+def test_serve_with_router_capture_then_audit_the_capture(tiny_model, tmp_path):
+    """The loop the audit page shows: serve with a capture, send traffic, audit what was captured."""
+    import json
+    import sys
+    import time
+
+    from safetensors.torch import load_file
+
+    from vllm_router_ext.ops.reference import reference_logits, relative_error
+
+    capture = tmp_path / "capture"
+    server = serve(tiny_model, tmp_path, "--router-capture", str(capture), "--router-capture-tokens", "24")
+    path = capture / "router-capture-1-dp0.safetensors"
+    try:
+        for i in range(40):  # bounded: a few prompts suffice
+            server.complete(f"def f{i}(x):\n    return", max_tokens=4)
+            if path.exists():
+                break
+        deadline = time.monotonic() + 30
+        while not path.with_suffix(".json").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        server.complete("still serving", max_tokens=2)
+    finally:
+        server.stop()
+    log = server.log()
+    assert (
+        f"capturing 24 tokens of 1 gate(s) into {path}" in log and f"wrote the router capture {path}" in log
+    )
+    data = load_file(str(path))
+    assert set(data) == {"layers.1", "logits.1"}
+    x, logits = data["layers.1"], data["logits.1"]
+    assert x.shape == (24, 256) and x.dtype == torch.bfloat16 and logits.shape == (24, 16)
+    meta = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
+    assert meta["precision"] == "fp32" and meta["tokens_per_layer"] == 24 and meta["layers"] == [1]
+    assert meta["data_parallel_rank"] == 0 and meta["tensor_parallel_size"] == 1 and meta["vllm"]
+    w = load_file(str(tiny_model / "model.safetensors"))["model.layers.1.mlp.gate.weight"]
+    assert relative_error(logits, reference_logits(x, w)) <= 1e-6  # what the op returned, vs fp64
+    out = tmp_path / "audit"
+    cmd = [sys.executable, "-m", "vllm_router_ext.audit", str(tiny_model), "--hidden-states", str(capture)]
+    p = subprocess.run(
+        [*cmd, "--out", str(out), "--no-progress"], capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr
+    result = json.loads((out / "audit.json").read_text(encoding="utf-8"))
+    assert result["tokens"] == 24 and result["overall"]["fp32"]["rel_err"] <= 1e-6
 
 
 @pytest.mark.vllm
@@ -72,6 +121,7 @@ def test_serve_help_lists_the_flags(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert "--router-precision {auto,fp32,bf16-fp32out,bf16}" in p.stdout
     assert "--router-batch-invariant" in p.stdout
+    assert "--router-capture DIR" in p.stdout and "--router-capture-tokens N" in p.stdout
 
 
 @pytest.mark.vllm

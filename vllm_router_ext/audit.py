@@ -120,10 +120,27 @@ def random_hidden_states(tokens: int, k: int, seed: int) -> torch.Tensor:
     return (x / x.pow(2).mean(-1, keepdim=True).sqrt()).to(torch.bfloat16)
 
 
+def capture_file(directory: Path) -> Path:
+    """The one router capture (``--router-capture``) in ``directory``; an error naming them all
+    when there are several (pass one file then)."""
+    found = sorted(directory.glob("router-capture-*.safetensors"))
+    if len(found) != 1:
+        what = (
+            "no router capture"
+            if not found
+            else f"{len(found)} router captures ({', '.join(p.name for p in found)})"
+        )
+        raise AuditError(f"{directory} holds {what}; pass --hidden-states one capture .safetensors file")
+    return found[0]
+
+
 def load_hidden_states(path: str | Path, k: int) -> dict[int, torch.Tensor] | torch.Tensor:
     """A [T, K] tensor shared by all layers, or per-layer tensors: safetensors keys
-    ``hidden_states`` or ``layers.N``; a .pt file holding a tensor or a {layer: tensor} dict."""
+    ``hidden_states`` or ``layers.N`` (a router capture: a file, or its directory); a .pt file
+    holding a tensor or a {layer: tensor} dict."""
     p = Path(path)
+    if p.is_dir():
+        p = capture_file(p)
     if not p.is_file():
         raise AuditError(f"hidden-states file {p} does not exist")
     if p.suffix == ".safetensors":
@@ -296,7 +313,11 @@ def plot(result: dict, path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vllm-router-audit", description=__doc__.splitlines()[0])
     p.add_argument("model_dir")
-    p.add_argument("--hidden-states", default=None, help="safetensors/.pt file of [T, K] activations")
+    p.add_argument(
+        "--hidden-states",
+        default=None,
+        help="[T, K] activations: a safetensors/.pt file, or the directory of a --router-capture",
+    )
     p.add_argument("--tokens", type=int, default=4096, help="random tokens when no --hidden-states")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

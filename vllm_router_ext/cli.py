@@ -11,6 +11,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from vllm_router_ext.capture import (
+    CLI_DIR_KEY,
+    CLI_TOKENS_KEY,
+    DEFAULT_TOKENS,
+    CaptureError,
+    check_directory,
+    parse_tokens,
+)
 from vllm_router_ext.precision import (
     CLI_BATCH_INVARIANT_KEY,
     CLI_CONFIG_KEY,
@@ -35,12 +43,39 @@ def add_router_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "bf16 (stock vLLM).",
     )
     group.add_argument(
+        "--router-capture",
+        type=_argparse_check(lambda v: str(check_directory(v, "--router-capture"))),
+        default=None,
+        metavar="DIR",
+        help="Record the first --router-capture-tokens inputs (and logits) of every router gate into "
+        "DIR, for vllm-router-audit --hidden-states DIR. Needs --enforce-eager.",
+    )
+    group.add_argument(
+        "--router-capture-tokens",
+        type=_argparse_check(lambda v: parse_tokens(v, "--router-capture-tokens")),
+        default=None,
+        metavar="N",
+        help=f"Tokens per gate that --router-capture records (default {DEFAULT_TOKENS}).",
+    )
+    group.add_argument(
         "--router-batch-invariant",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="Make router logits bitwise independent of the batch (also on with VLLM_BATCH_INVARIANT=1).",
     )
     return parser
+
+
+def _argparse_check(check):
+    """An argparse ``type`` from a check that raises :class:`CaptureError`: exit 2, its message."""
+
+    def parse(value: str):
+        try:
+            return check(value)
+        except CaptureError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
 
 
 def apply_router_cli_args(engine_args: Any, args: argparse.Namespace) -> Any:
@@ -50,6 +85,10 @@ def apply_router_cli_args(engine_args: Any, args: argparse.Namespace) -> Any:
         updates[CLI_CONFIG_KEY] = args.router_precision
     if getattr(args, "router_batch_invariant", None) is not None:
         updates[CLI_BATCH_INVARIANT_KEY] = bool(args.router_batch_invariant)
+    if getattr(args, "router_capture", None) is not None:
+        updates[CLI_DIR_KEY] = args.router_capture
+    if getattr(args, "router_capture_tokens", None) is not None:
+        updates[CLI_TOKENS_KEY] = args.router_capture_tokens
     if updates:
         extra = engine_args.additional_config
         engine_args.additional_config = {**(extra if isinstance(extra, dict) else {}), **updates}

@@ -118,6 +118,7 @@ class RouterGateLinear(GateLinear):
             return_bias=return_bias,
         )
         self.router_settings: RouterSettings | None = None
+        self.router_capture = None  # a capture.GateCapture while --router-capture records
         if not applies:
             return
         if not self.is_unquantized:
@@ -174,10 +175,26 @@ class RouterGateLinear(GateLinear):
             fp32_weight_terms(param.data) if uses_terms and param.dtype == torch.float32 else None
         )
 
+    def attach_capture(self, capture) -> None:
+        from vllm_router_ext.capture import layer_index
+
+        self.router_capture = capture
+        self._capture_layer = layer_index(self.prefix)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, None]:
         if self.router_settings is None:
             return super().forward(x)
-        return self._return(self.router_gemm(x, self.weight, self.router_weight_terms))
+        logits = self.router_gemm(x, self.weight, self.router_weight_terms)
+        if self.router_capture is not None:
+            self._record(x, logits)
+        return self._return(logits)
+
+    def _record(self, x: torch.Tensor, logits: torch.Tensor) -> None:
+        try:
+            self.router_capture.record(self._capture_layer, x, logits)
+        except Exception as e:  # noqa: BLE001 -- a capture never stops serving
+            logger.error("vllm-router-ext: router capture stopped in %s: %r", self.prefix, e)
+            self.router_capture = None
 
 
 def register_gate_linear() -> None:

@@ -19,7 +19,12 @@ from collections.abc import Iterable
 import torch
 from vllm.logger import init_logger
 
-from vllm_router_ext.precision import RouterPrecision, RouterSettings, resolve_router_settings
+from vllm_router_ext.precision import (
+    DEEPSEEK_V2_DRAFTS,
+    RouterPrecision,
+    RouterSettings,
+    resolve_router_settings,
+)
 
 # Under "vllm." so vLLM's handlers and format apply.
 logger = init_logger(f"vllm.{__name__}")
@@ -72,9 +77,12 @@ class RouterPrecisionMixin:
                 value,
                 source,
             )
+        capture = _capture_settings(vllm_config, type(self).__name__)
         with router_settings_scope(settings):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.router_settings = settings
+        if capture is not None:
+            _attach_capture(self, vllm_config, settings, capture)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = super().load_weights(weights)
@@ -109,6 +117,60 @@ class RouterPrecisionMixin:
                 "float32" if settings.precision.logits_dtype == torch.float32 else "model dtype",
                 describe_implementation(settings, group[0].weight),
             )
+
+
+def _capture_settings(vllm_config, arch: str):
+    """The capture this model runs: None for drafts, and where none is asked for; a clear error
+    where it cannot work (bad settings, or a mode whose replayed graphs would skip it)."""
+    from vllm_router_ext.capture import CaptureError, resolve_capture
+
+    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+    capture = resolve_capture(extra)
+    if capture is None or arch in DEEPSEEK_V2_DRAFTS:
+        return None
+    if not vllm_config.model_config.enforce_eager:
+        raise CaptureError(
+            f"router capture into {str(capture.directory)!r} (from {capture.source}) records in the "
+            "gate's forward pass, which CUDA graphs and torch.compile replay without it: add "
+            "--enforce-eager (enforce_eager=True) to capture"
+        )
+    return capture
+
+
+def _attach_capture(model, vllm_config, settings: RouterSettings, capture) -> None:
+    """Tensor-parallel rank 0 records (the gate is replicated); one file per data-parallel rank."""
+    import vllm
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    import vllm_router_ext
+    from vllm_router_ext.capture import GateCapture, next_run
+
+    if get_tensor_model_parallel_rank() != 0:
+        return
+    gates = router_gates(model)
+    dp_rank = vllm_config.parallel_config.data_parallel_rank
+    run = next_run(capture.directory)
+    meta = {
+        "model": str(vllm_config.model_config.model),
+        "architecture": type(model).__name__,
+        "precision": settings.precision.value,
+        "batch_invariant": settings.batch_invariant,
+        "vllm": vllm.__version__,
+        "vllm_router_ext": vllm_router_ext.__version__,
+        "run": run,
+        "data_parallel_rank": dp_rank,
+        "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size,
+    }
+    recorder = GateCapture(capture, [g.prefix for g in gates], f"router-capture-{run}-dp{dp_rank}", meta)
+    for gate in gates:
+        gate.attach_capture(recorder)
+    logger.info(
+        "vllm-router-ext: capturing %d tokens of %d gate(s) into %s (from %s)",
+        capture.tokens,
+        len(gates),
+        recorder.path,
+        capture.source,
+    )
 
 
 def _build(arch: str) -> type:
