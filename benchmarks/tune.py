@@ -522,7 +522,7 @@ WGMMA_WS_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 22, 28)
 
 
 def wgmma_ws_candidates(m: int, k: int, n: int) -> list[KernelConfig]:
-    from csrc_triton import gluon_available
+    from csrc_triton.capability import gluon_available
 
     if torch.cuda.get_device_capability()[0] != 9 or not gluon_available() or m < WGMMA_WS_TUNE_FROM:
         return []

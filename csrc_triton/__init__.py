@@ -5,10 +5,3 @@ def cdiv(a: int, b: int) -> int:
     """Host-side ceiling division for launch grids. Not ``triton.cdiv``: that is a
     constexpr-function wrapper costing microseconds per call on the op's host path."""
     return -(-a // b)
-
-
-def gluon_available() -> bool:
-    """Whether this Triton has Gluon with Hopper warp specialisation (the ``wgmma_ws`` kernel)."""
-    from csrc_triton.router_gemm_wgmma_ws import GLUON
-
-    return GLUON

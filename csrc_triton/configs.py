@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from csrc_triton import environment
+
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 #: Launch parameters a table entry may carry; other keys ("us", "worst_ratio") are notes.
@@ -93,7 +95,7 @@ def device_key(name: str) -> str:
 #: ``nvidia_h200``); ``none``: the heuristic for every shape; a table's name in ``configs/`` (e.g.
 #: ``nvidia_h200`` on an H100, whose SMs and shared memory are the H200's); or the path of a JSON
 #: table written by ``benchmarks/tune.py`` for this GPU.
-TABLE_ENV_VAR = "VLLM_ROUTER_EXT_TABLE"
+TABLE_ENV_VAR = environment.TABLE
 
 #: Set by :func:`table_override` (the benchmark's heuristic columns, tests); wins over the env var.
 _FORCED_TABLE: list[str] = []
@@ -108,14 +110,8 @@ def table_choice() -> str | None:
     """The validated table override: None (the GPU's own table), ``"none"``, a shipped table's name
     or a JSON path. Raises ValueError naming the bad value and the allowed ones (checked when a
     model is built, so a typo stops the start-up, not a serving step)."""
-    value = _FORCED_TABLE[-1] if _FORCED_TABLE else _env_table()
+    value = _FORCED_TABLE[-1] if _FORCED_TABLE else environment.table()
     return _validated_choice(value, CONFIG_DIR) if value else None
-
-
-@functools.cache
-def _env_table() -> str:
-    # Read once per process (the dispatch asks on every call); clear_table_cache() re-reads it.
-    return os.environ.get(TABLE_ENV_VAR, "").strip()
 
 
 def _is_path(value: str) -> bool:
@@ -176,7 +172,7 @@ def clear_table_cache() -> None:
     table while it runs; tests change the variable)."""
     _read_table.cache_clear()
     _validated_choice.cache_clear()
-    _env_table.cache_clear()
+    environment.reread()
 
 
 @contextlib.contextmanager
@@ -434,7 +430,7 @@ def _heuristic_kernel(
     fp32 = mode == "fp32"
     if fp32 and not batch_invariant and capability // 10 == 9 and m >= WGMMA_WS_FROM_M:
         if wgmma_ws is None:
-            from csrc_triton import gluon_available
+            from csrc_triton.capability import gluon_available
 
             wgmma_ws = gluon_available()
         if wgmma_ws:

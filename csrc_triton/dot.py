@@ -13,19 +13,12 @@ exact, so each 16-bit operand is upcast right before its ``tl.dot`` and multipli
 Everything else (loads, masks, the weight split, promotion, stores) is the GPU code path.
 """
 
-import os
-
 import triton
 import triton.language as tl
 
 DOT_NATIVE = 0
 DOT_SPLIT3 = 1
 DOT_IEEE = 2
-
-
-def interpreting() -> bool:
-    """True under Triton's interpreter (read at launch time, so tests can set it per process)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit

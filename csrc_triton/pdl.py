@@ -15,7 +15,6 @@ Hopper and newer (sm_90+) only; elsewhere, under the interpreter, or with
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -23,9 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.dot import interpreting
+from csrc_triton import environment
+from csrc_triton.environment import interpreting
 
-ENV_VAR = "VLLM_ROUTER_EXT_PDL"
+ENV_VAR = environment.PDL
 
 try:  # Triton >= 3.3 has the grid-dependency-control instructions and the launch flag
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -56,12 +56,12 @@ def _capability_major(index: int) -> int:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether launches on ``device`` may use PDL (read per call: the env var can turn it off)."""
+    """Whether launches on ``device`` may use PDL (``VLLM_ROUTER_EXT_PDL=0`` turns it off)."""
     if _forced is not None:
         return _forced and TRITON_PDL
     if device.type != "cuda" or not TRITON_PDL or interpreting():
         return False
-    if os.environ.get(ENV_VAR, "1").strip() in ("", "0"):
+    if not environment.pdl():
         return False
     return _capability_major(device.index or 0) >= 9
 

@@ -138,11 +138,3 @@ def gemv_launch(
     if split_k > 1 and not use_ticket:
         reduce_partials(part, out)
     return out
-
-
-def router_gemm_gemv(
-    x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32, **config
-) -> torch.Tensor:
-    """Public entry: allocate ``out`` [M, N] of ``out_dtype`` and run :func:`gemv_launch`."""
-    out = torch.empty((x.shape[0], w.shape[0]), dtype=out_dtype, device=x.device)
-    return gemv_launch(x, w, out, **config)

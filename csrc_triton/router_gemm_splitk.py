@@ -45,7 +45,8 @@ import triton
 import triton.language as tl
 
 from csrc_triton import cdiv
-from csrc_triton.dot import interpreting, load_chunk, mma, promoted_group
+from csrc_triton.dot import load_chunk, mma, promoted_group
+from csrc_triton.environment import interpreting
 from csrc_triton.pdl import launch_dependents, launch_options, pdl_enabled, wait_for_primary
 
 #: Fixed-point split sum: a 64-bit word per logit = (arrival count << 59) + sum of biased partials.
@@ -479,11 +480,3 @@ def reduce_partials(part: torch.Tensor, out: torch.Tensor, pdl: bool = False) ->
         CONTIGUOUS=out.stride(0) == N, PDL=pdl, num_warps=_REDUCE_WARPS, **launch_options(pdl),
     )  # fmt: skip
     return out
-
-
-def router_gemm_splitk(
-    x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32, **config
-) -> torch.Tensor:
-    """Public entry: allocate ``out`` [M, N] of ``out_dtype`` and run :func:`splitk_launch`."""
-    out = torch.empty((x.shape[0], w.shape[0]), dtype=out_dtype, device=x.device)
-    return splitk_launch(x, w, out, **config)

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from csrc_triton import cdiv
-from csrc_triton.dot import interpreting, load_chunk, mma, promoted_group
+from csrc_triton.dot import load_chunk, mma, promoted_group
+from csrc_triton.environment import interpreting
 
 
 @triton.jit
@@ -112,11 +113,3 @@ def tiled_launch(
         num_stages=num_stages,
     )
     return out
-
-
-def router_gemm_tiled(
-    x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32, **config
-) -> torch.Tensor:
-    """Public entry: allocate ``out`` [M, N] of ``out_dtype`` and run :func:`tiled_launch`."""
-    out = torch.empty((x.shape[0], w.shape[0]), dtype=out_dtype, device=x.device)
-    return tiled_launch(x, w, out, **config)

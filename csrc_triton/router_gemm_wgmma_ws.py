@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from csrc_triton import cdiv
+from csrc_triton.capability import gluon_available
 from csrc_triton.configs import FP32_MAX_BLOCK_K
 from csrc_triton.configs import WGMMA_WS_BLOCK_M as BLOCK_M  # two consumer warpgroups x one m64 wgmma
 from csrc_triton.pdl import launch_options, pdl_enabled, wait_for_primary
@@ -58,7 +59,7 @@ try:  # Gluon with Hopper warp specialisation: Triton >= 3.6
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.language.core import _aggregate as aggregate
 
-    GLUON = hasattr(gl, "warp_specialize")
+    GLUON = gluon_available()
 except ImportError:  # an older Triton: the dispatch never selects this kernel
     GLUON = False
 
@@ -459,7 +460,7 @@ def unsupported_reason(x: torch.Tensor, w: torch.Tensor, capability: int) -> str
     """Why this kernel cannot run these operands here (None: it can). It needs Hopper (sm_90:
     wgmma, TMA), Gluon, 16-bit operands of one dtype, and TMA-compatible layouts: unit stride
     along K, 16-byte-aligned row strides and base addresses."""
-    from csrc_triton.dot import interpreting
+    from csrc_triton.environment import interpreting
 
     if interpreting():
         return "TRITON_INTERPRET=1 (Gluon kernels have no interpreter)"
@@ -617,9 +618,3 @@ def _streamk_launch(
             **launch_options(pdl),
         )  # fmt: skip
     return out
-
-
-def router_gemm_wgmma_ws(x: torch.Tensor, w: torch.Tensor, **config) -> torch.Tensor:
-    """Public entry: allocate the fp32 ``out`` [M, N] and run :func:`wgmma_ws_launch`."""
-    out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32, device=x.device)
-    return wgmma_ws_launch(x, w, out, **config)

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.dot import interpreting
+from csrc_triton.environment import interpreting
 from vllm_router_ext.testing import interpreter_dot
 from vllm_router_ext.testing.interpreter_dot import fixed_order_dot
 

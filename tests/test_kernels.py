@@ -11,6 +11,7 @@ import torch
 
 from csrc_triton.configs import KernelConfig, heuristic_config, select_config
 from csrc_triton.dot import DOT_IEEE, DOT_NATIVE, DOT_SPLIT3
+from vllm_router_ext.ops import startup
 from vllm_router_ext.ops.dispatch import dot_mode_for, router_gemm_cuda, run_config
 from vllm_router_ext.ops.reference import reference_logits, relative_error
 from vllm_router_ext.ops.router_gemm import check_weight_terms, fp32_weight_terms
@@ -318,7 +319,7 @@ def test_batch_invariant_needle_through_a_fixed_point_table(dot_order, gen, monk
         assert torch.equal(out[m - 1 :], alone), m
     monkeypatch.setattr(d, "_device_info", lambda index: ("GPU", 132, 90))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, True, torch.bfloat16, k, n)
+    text = startup.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, True, torch.bfloat16, k, n)
     assert "K split 128" in text and "splits summed exactly in fixed point" in text
     assert "splits summed in one program from M=65 " in text
 
@@ -741,27 +742,27 @@ def test_startup_description_of_the_cuda_dispatch(monkeypatch):
 
     monkeypatch.setattr(d, "_device_info", lambda index: ("NVIDIA H200", 132, 90))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    text = d.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.bfloat16, 7168, 256)
+    text = startup.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.bfloat16, 7168, 256)
     assert "promoted fp32 accumulation" in text and "tuned table" in text and "16-bit MMA" in text
     assert text.startswith("by M at run time: triton GEMV (fp32 FMA) M<=16, triton split-K M<=")
-    text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, False, torch.bfloat16, 7168, 256)
+    text = startup.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, False, torch.bfloat16, 7168, 256)
     assert text.endswith("cuBLAS above (16-bit MMA; tuned table nvidia_h200)"), text
-    text = d.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.float32, 7168, 256)
+    text = startup.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.float32, 7168, 256)
     assert "fp32 weight split into 3 bf16 MMAs" in text
     assert text.endswith(
         "; from M=1024: one GEMM on the weight's three bf16 terms (split once at load), "
         "hi + mid + lo added per logit"
     )
-    text = d.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.float32, 2048, 64)
+    text = startup.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.float32, 2048, 64)
     assert "three bf16 terms" not in text  # DeepSeek-V2-Lite's 64 experts keep the in-kernel split
-    text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, True, torch.bfloat16, 7168, 256)
+    text = startup.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, True, torch.bfloat16, 7168, 256)
     assert text.startswith("batch-invariant triton split-K, K split 512 (BLOCK_K 128) fixed for every M")
     assert "splits added in order" in text
     assert "; splits summed in one program from M=" in text
-    text = d.describe_cuda_dispatch(RouterPrecision.FP32, True, torch.bfloat16, 1000, 10)
+    text = startup.describe_cuda_dispatch(RouterPrecision.FP32, True, torch.bfloat16, 1000, 10)
     # the heuristic (no table for this shape): split tiles while the partials are few (to 2048 here)
     assert "splits summed in one program from M=2049 " in text and "heuristic" in text
-    text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, False, torch.bfloat16, 1000, 10)
+    text = startup.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, False, torch.bfloat16, 1000, 10)
     assert "heuristic configs" in text
 
 
@@ -770,7 +771,6 @@ def test_batch_invariant_buckets_start_where_the_table_or_heuristic_changes(tabl
     must be exact wherever a bucket ends (a table retuned at 768 tokens, the heuristic's switch
     where the split partials outgrow its limit), not only just above powers of two."""
     import csrc_triton.configs as c
-    from vllm_router_ext.ops import dispatch as d
 
     table_env(None)
     table = c.load_table("NVIDIA H200")["shapes"]
@@ -782,10 +782,11 @@ def test_batch_invariant_buckets_start_where_the_table_or_heuristic_changes(tabl
             launch = [{a: b for a, b in bk.items() if a not in notes} for bk in buckets]
             ends = [bk["max_m"] for i, bk in enumerate(buckets[:-1]) if launch[i] != launch[i + 1]]
             expected = [1] + [m + 1 for m in ends]
-            got = [m for m, _ in d._batch_invariant_buckets(k, n, RouterPrecision(mode), "NVIDIA H200", 132)]
+            buckets_here = startup.batch_invariant_buckets(k, n, RouterPrecision(mode), "NVIDIA H200", 132)
+            got = [m for m, _ in buckets_here]
             assert got == expected, (key, mode)
     # the heuristic (an H100): DeepSeek-V3's split tiles end where M x 256 x 28 reaches 6 x 2^20
-    h100 = d._batch_invariant_buckets(7168, 256, RouterPrecision.FP32, "NVIDIA H100 80GB HBM3", 132)
+    h100 = startup.batch_invariant_buckets(7168, 256, RouterPrecision.FP32, "NVIDIA H100 80GB HBM3", 132)
     got = [m for m, _ in h100]
     assert 65 in got and 878 in got and 1025 in got and 257 not in got  # 65-877: the same split tiles
     # a table of one's own (VLLM_ROUTER_EXT_TABLE=path) whose bucket ends above 16384 tokens
@@ -794,7 +795,7 @@ def test_batch_invariant_buckets_start_where_the_table_or_heuristic_changes(tabl
     path = tmp_path / "big.json"
     path.write_text(json.dumps(custom))
     table_env(str(path))
-    got = [m for m, _ in d._batch_invariant_buckets(7168, 256, RouterPrecision.FP32, "NVIDIA H200", 132)]
+    got = [m for m, _ in startup.batch_invariant_buckets(7168, 256, RouterPrecision.FP32, "NVIDIA H200", 132)]
     assert got == [1, 20001]
 
 
@@ -854,15 +855,15 @@ def test_startup_description_names_the_table_override(monkeypatch, table_env):
     monkeypatch.setattr(d, "_device_info", lambda index: ("NVIDIA H100 80GB HBM3", 132, 90))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     table_env(None)
-    text = d.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.bfloat16, 7168, 256)
+    text = startup.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.bfloat16, 7168, 256)
     assert text.endswith("heuristic configs: no 7168x256 entry in table nvidia_h100_80gb_hbm3)"), text
     table_env("nvidia_h200")
-    text = d.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.bfloat16, 7168, 256)
+    text = startup.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.bfloat16, 7168, 256)
     assert text.endswith("tuned table nvidia_h200 (VLLM_ROUTER_EXT_TABLE))"), text
-    text = d.describe_cuda_dispatch(RouterPrecision.FP32, True, torch.bfloat16, 7168, 256)
+    text = startup.describe_cuda_dispatch(RouterPrecision.FP32, True, torch.bfloat16, 7168, 256)
     assert "tuned nvidia_h200 (VLLM_ROUTER_EXT_TABLE)" in text
     table_env("none")
-    text = d.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, False, torch.bfloat16, 7168, 256)
+    text = startup.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, False, torch.bfloat16, 7168, 256)
     assert text.endswith("heuristic configs: VLLM_ROUTER_EXT_TABLE=none)"), text
 
 
@@ -914,6 +915,7 @@ def test_pdl_only_where_the_gpu_and_triton_have_it(monkeypatch):
     """Programmatic dependent launch: sm_90+ CUDA devices, never under the interpreter or on CPU,
     off with VLLM_ROUTER_EXT_PDL=0; ``forced`` (the sm_90 compile check) overrides the device."""
     import csrc_triton.pdl as pdl
+    from csrc_triton import environment
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(pdl, "_capability_major", lambda index: 9)
@@ -923,8 +925,10 @@ def test_pdl_only_where_the_gpu_and_triton_have_it(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert pdl.pdl_enabled(cuda) == pdl.TRITON_PDL
     monkeypatch.setenv(pdl.ENV_VAR, "0")
+    environment.reread()  # read once per process otherwise
     assert not pdl.pdl_enabled(cuda)
     monkeypatch.delenv(pdl.ENV_VAR)
+    environment.reread()
     monkeypatch.setattr(pdl, "_capability_major", lambda index: 8)
     assert not pdl.pdl_enabled(cuda)
     with pdl.forced(True):

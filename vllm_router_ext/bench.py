@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -82,7 +81,19 @@ METHODS.update(
 )
 
 
-def environment() -> dict:
+def _git_commit() -> str:
+    try:
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=20
+            ).stdout.strip()
+            or "unknown"
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment(commit: str | None = None) -> dict:
     def _smi(q: str) -> str:
         try:
             return subprocess.run(
@@ -96,6 +107,7 @@ def environment() -> dict:
 
     import triton
 
+    commit = commit or _git_commit()
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "gpu": torch.cuda.get_device_name(),
@@ -103,7 +115,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
-        "commit": os.environ.get("ROUTER_EXT_COMMIT", "unknown"),
+        "commit": commit,
     }
 
 
@@ -278,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"from: {', '.join(METHODS)}")
     p.add_argument("--skip-accuracy", action="store_true")
     p.add_argument(
+        "--commit", default=None, help="the code's commit, recorded in bench.json (default: git's)"
+    )
+    p.add_argument(
         "--peer",
         default=None,
         help="a Python file defining peer_mm(x, w), SHAPES and MS (default: FlashInfer's router GEMMs)",
@@ -299,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     peer, peer_note = load_peer(args.peer)
-    env = {**environment(), "peer": peer_note}
+    env = {**environment(args.commit), "peer": peer_note}
     print(json.dumps(env))
     result = {"environment": env}
     if not args.skip_accuracy:

@@ -31,12 +31,14 @@ from typing import Any
 
 import torch
 
+from csrc_triton import environment
+
 DIR_KEY = "router_capture_dir"
 TOKENS_KEY = "router_capture_tokens"
 CLI_DIR_KEY = "router_capture_dir_cli"
 CLI_TOKENS_KEY = "router_capture_tokens_cli"
-DIR_ENV = "VLLM_ROUTER_CAPTURE_DIR"
-TOKENS_ENV = "VLLM_ROUTER_CAPTURE_TOKENS"
+DIR_ENV = environment.CAPTURE_DIR
+TOKENS_ENV = environment.CAPTURE_TOKENS
 DEFAULT_TOKENS = 4096
 FILE_RE = re.compile(r"^router-capture-(\d+)-dp\d+\.(?:safetensors|json)$")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
@@ -89,7 +91,7 @@ class CaptureSettings:
 def resolve_capture(additional_config: dict, env: dict[str, str] | None = None) -> CaptureSettings | None:
     """The capture request from its sources (command line, ``additional_config``, environment:
     first set wins, as for the precision); None when none asks for one. Validates what it uses."""
-    env = os.environ if env is None else env
+    env = environment.capture() if env is None else env
     extra = additional_config
     for source, directory, tokens_source, tokens in (
         ("--router-capture", extra.get(CLI_DIR_KEY), "--router-capture-tokens", extra.get(CLI_TOKENS_KEY)),

@@ -18,13 +18,14 @@ vLLM's ``VLLM_BATCH_INVARIANT=1``.
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-ENV_VAR = "VLLM_ROUTER_PRECISION"
+from csrc_triton import environment
+
+ENV_VAR = environment.PRECISION
 CONFIG_KEY = "router_precision"
 #: ``additional_config`` key that carries the command-line flag into every vLLM process.
 CLI_CONFIG_KEY = "router_precision_cli"
@@ -184,14 +185,14 @@ def resolve_router_settings(vllm_config: Any) -> RouterSettings:
         architecture=archs[0] if archs else None,
         cli=extra.get(CLI_CONFIG_KEY),
         additional_config=extra.get(CONFIG_KEY),
-        env=os.environ.get(ENV_VAR),
+        env=environment.precision(),
         hf_config=getattr(hf_config, CONFIG_KEY, None),
         moe_router_dtype=getattr(hf_config, "moe_router_dtype", None),
     )
     batch_invariant, bi_source = resolve_batch_invariant(
         cli=extra.get(CLI_BATCH_INVARIANT_KEY),
         additional_config=extra.get(BATCH_INVARIANT_KEY),
-        vllm_batch_invariant=os.environ.get("VLLM_BATCH_INVARIANT", "0").strip() not in ("", "0"),
+        vllm_batch_invariant=environment.batch_invariant(),
     )
     return RouterSettings(
         precision=precision,

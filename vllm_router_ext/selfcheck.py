@@ -13,7 +13,7 @@ PROBE_SIZES = (1, 2, 3, 17, 64, 255)
 def probe_sizes(weight: torch.Tensor, precision) -> tuple[int, ...]:
     """:data:`PROBE_SIZES` plus, on CUDA, M at and above every point where this GPU's
     batch-invariant configs change (tiles, pipelining, splits summed in one program)."""
-    from vllm_router_ext.ops.dispatch import batch_invariant_probe_sizes
+    from vllm_router_ext.ops.startup import batch_invariant_probe_sizes
 
     return tuple(sorted(set(PROBE_SIZES) | set(batch_invariant_probe_sizes(weight, precision))))
 

@@ -54,7 +54,7 @@ def router_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
 def describe_implementation(settings: RouterSettings, weight: torch.Tensor) -> str:
     if weight.device.type != "cuda":
         return f"plain torch on {weight.device.type} (forward_native)"
-    from vllm_router_ext.ops.dispatch import describe_cuda_dispatch
+    from vllm_router_ext.ops.startup import describe_cuda_dispatch
 
     n, k = weight.shape
     return describe_cuda_dispatch(settings.precision, settings.batch_invariant, weight.dtype, k, n)
