@@ -96,7 +96,9 @@ def test_split3_keeps_the_largest_fp32_weights_finite(gen, name):
     out = _poisoned(3, 16, torch.float32)
     run_config(CONFIGS[name], x, w, out, DOT_SPLIT3)
     ref = reference_logits(x, w)
-    assert relative_error(out[:, 5], ref[:, 5]) <= 1e-6
+    # 2e-6 on the huge column: the GPU's tensor cores accumulate its three terms' products (1.4e-6
+    # measured on the H200 with the tiled kernel); the interpreter's dot adds them in fp64.
+    assert relative_error(out[:, 5], ref[:, 5]) <= 2e-6
     assert relative_error(out[:, :5], ref[:, :5]) <= 1e-6
 
 
@@ -270,7 +272,7 @@ def test_fp32_weight_large_m_runs_on_its_terms(gen, monkeypatch, m, n):
     real = d._fp32_weight_by_terms
     monkeypatch.setattr(d, "_fp32_weight_by_terms", lambda *a: calls.append(1) or real(*a))
     x, _ = _inputs(gen, m, 512, n)
-    w = torch.randn(n, 512, generator=gen) / 22.6  # genuinely fp32
+    w = (torch.randn(n, 512, generator=gen) / 22.6).to(DEV)  # genuinely fp32
     terms = fp32_weight_terms(w)
     out = router_gemm_cuda(x, w, RouterPrecision.FP32, False, terms)
     assert bool(calls) == (m >= 65 and n >= 32)
@@ -876,11 +878,11 @@ def test_split_order_sum_adds_partials_in_split_order(splits, contiguous):
     from csrc_triton.router_gemm_splitk import reduce_partials
 
     g = torch.Generator().manual_seed(splits)
-    part = torch.randn(splits, 37, 96, generator=g) * torch.logspace(-3, 3, 96)
-    expected = torch.zeros(37, 96)
+    part = (torch.randn(splits, 37, 96, generator=g) * torch.logspace(-3, 3, 96)).to(DEV)
+    expected = torch.zeros(37, 96, device=DEV)
     for s in range(splits):
         expected = expected + part[s]
-    base = torch.full((37, 96 if contiguous else 128), float("nan"))
+    base = torch.full((37, 96 if contiguous else 128), float("nan"), device=DEV)
     out = base[:, :96]
     reduce_partials(part, out)
     assert torch.equal(out, expected)
