@@ -288,12 +288,14 @@ def build_tiny_deepseek_v3(
 
 def build_tiny_model(out_dir: str | Path, model: str, *, seed: int = 0, **kwargs) -> Path:
     """:func:`build_tiny_deepseek_v3` with the routing of ``model`` (a key of :data:`ROUTING_PRESETS`);
-    experts are narrow (``moe_intermediate_size`` 32) so that hundreds of them stay small."""
+    experts are narrow (``moe_intermediate_size`` 32, or one 128-wide FP8 block with ``fp8``: vLLM
+    shards merged FP8 projections by whole blocks) so that hundreds of them stay small."""
     if model not in ROUTING_PRESETS:
         raise ValueError(f"unknown model {model!r}; allowed: {', '.join(ROUTING_PRESETS)}")
     preset = dict(ROUTING_PRESETS[model])
     arch = preset.pop("architectures")[0]
-    overrides = {"moe_intermediate_size": 32, **preset, **kwargs.pop("config_overrides", {})}
+    narrow = FP8_BLOCK if kwargs.get("fp8") else 32
+    overrides = {"moe_intermediate_size": narrow, **preset, **kwargs.pop("config_overrides", {})}
     return build_tiny_deepseek_v3(out_dir, seed=seed, arch=arch, config_overrides=overrides, **kwargs)
 
 
