@@ -175,3 +175,33 @@ def test_the_audit_reads_a_capture_directory_and_names_ambiguity(tiny_model, tmp
     save_file({"layers.1": x}, str(tmp_path / "router-capture-2-dp0.safetensors"))
     with pytest.raises(AuditError, match="2 router captures .*router-capture-1-dp0.safetensors.*pass"):
         run_audit(tiny_model, hidden_states=tmp_path, device="cpu", progress=False)
+
+
+def test_each_data_parallel_engine_core_writes_its_own_numbered_file(vllm_dist, tmp_path, gen, monkeypatch):
+    """What an engine core of data-parallel rank 1 attaches (TP rank 0: the one writer), after a
+    capture of an earlier run already in the directory: run 2, ``dp1`` in its name."""
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    import vllm_router_ext.capture as c
+    from vllm_router_ext.layers.gate import router_settings_scope
+    from vllm_router_ext.models.deepseek_v2 import _attach_capture
+    from vllm_router_ext.precision import RouterPrecision, RouterSettings
+
+    (tmp_path / "router-capture-1-dp0.json").write_text("{}")
+    settings = RouterSettings(RouterPrecision.FP32, "t")
+    model = torch.nn.Module()
+    with set_default_torch_dtype(torch.bfloat16), router_settings_scope(settings):
+        model.gate = GateLinear(32, 4, prefix="model.layers.3.mlp.gate")
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(model="m"),
+        parallel_config=SimpleNamespace(data_parallel_rank=1, tensor_parallel_size=1),
+    )
+    _attach_capture(model, config, settings, CaptureSettings(tmp_path, 2, "t"))
+    recorder = model.gate.router_capture
+    assert recorder.path == tmp_path / "router-capture-2-dp1.safetensors"
+    assert recorder.meta["data_parallel_rank"] == 1 and recorder.meta["run"] == 2
+    monkeypatch.setattr(c, "_serving_pass", lambda: True)
+    model.gate.weight_loader(model.gate.weight, torch.randn(4, 32, generator=gen).to(torch.bfloat16))
+    model.gate(torch.randn(3, 32, generator=gen).to(torch.bfloat16))
+    assert recorder.path.exists()
