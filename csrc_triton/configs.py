@@ -605,3 +605,78 @@ def select_config(
         wgmma_ws=wgmma_ws,
         fp32_weight=fp32_weight,
     )
+
+
+def fp32_weight_max_block_k(capability: int) -> int:
+    """BLOCK_K for a genuinely fp32 gate weight: each chunk of the weight tile is held in fp32 and
+    as three bf16 terms at once. Before sm_90 (mma.sync: operands in registers) 64- and 128-wide
+    chunks spill 0.1-7 KB per thread in the compile (``python -m vllm_router_ext.testing.aot``),
+    and on sm_100 64-wide heuristic tiles do too; 32 does not. On sm_90 the H200 table's 128-wide
+    chunks spill 72-176 bytes, yet capping them at 64 measured slower on the H200 (DeepSeek-V3
+    M=2048 157 -> 194 µs): no cap on Hopper."""
+    return 128 if 90 <= capability < 100 else 32
+
+
+def wgmma_ws_fallback(
+    m: int, k: int, n: int, device_name: str, sm_count: int, capability: int, fp32_weight: bool
+) -> KernelConfig:
+    """The Triton config that runs where a ``wgmma_ws`` config cannot: the tuned table's fastest
+    Triton config for this M (``fp32/triton``), else the heuristic's (also when a hand-edited
+    ``fp32/triton`` names ``wgmma_ws`` again: never a loop)."""
+    kw = dict(capability=capability, wgmma_ws=False, fp32_weight=fp32_weight)
+    fallback = select_config(m, k, n, "fp32", False, device_name, sm_count, **kw)
+    if fallback.kernel == "wgmma_ws":
+        fallback = heuristic_config(m, k, n, "fp32", False, sm_count, **kw)
+    return fallback
+
+
+def config_to_run(
+    cfg: KernelConfig,
+    m: int,
+    k: int,
+    n: int,
+    device_name: str,
+    sm_count: int,
+    capability: int,
+    fp32_weight: bool,
+    wgmma_ws_problem: str | None = None,
+) -> KernelConfig:
+    """The config that launches for a selected (or a tuner's, a test's) ``cfg``: a ``wgmma_ws``
+    config with a ``wgmma_ws_problem`` here becomes :func:`wgmma_ws_fallback`'s; a genuinely fp32
+    weight's tiles are capped (held in fp32 and as three bf16 terms: narrower chunks where
+    registers need it, 64 x 64 pipelined tiles in two stages, the tiled kernel's 64 x 64 x 32 with
+    chains of 128); split-K's promotion defaults to one chain per split. None of this changes a
+    sum's order per mode (its buckets share one BLOCK_K), so batch invariance holds."""
+    if cfg.kernel == "wgmma_ws" and wgmma_ws_problem is not None:
+        cfg = wgmma_ws_fallback(m, k, n, device_name, sm_count, capability, fp32_weight)
+    if cfg.kernel not in ("splitk", "tiled"):
+        return cfg
+    p = dict(cfg.params)
+    if cfg.kernel == "splitk":
+        if fp32_weight:
+            p["block_k"] = min(p["block_k"], fp32_weight_max_block_k(capability))
+            if p.get("num_stages", 1) > 1:
+                p.update(block_m=min(p["block_m"], 64), block_n=min(p["block_n"], 64), num_stages=2)
+        if not p.get("promote_chunks"):
+            p["promote_chunks"] = p["k_per_split"] // p["block_k"]
+    elif fp32_weight:
+        if p.get("promote_chunks"):
+            p["promote_chunks"] = 4
+        p.update(block_m=min(p["block_m"], 64), block_n=min(p["block_n"], 64), block_k=32, num_stages=2)
+    return cfg if p == cfg.params else KernelConfig(cfg.kernel, p, cfg.source)
+
+
+def shrink_config(cfg: KernelConfig) -> KernelConfig | None:
+    """The same sums in a smaller on-chip footprint, or None: one software-pipeline stage fewer,
+    else the larger of BLOCK_M / BLOCK_N halved (down to 16). BLOCK_K, the K split, the promotion
+    and the order of the split sum stay, so every logit is the same sum of the same products."""
+    p = dict(cfg.params)
+    if p.get("num_stages", 1) > 1:
+        p["num_stages"] -= 1
+    elif p.get("block_n_tail"):  # wgmma_ws: plain 128-wide tiles (its BLOCK_M is fixed)
+        del p["block_n_tail"]
+    elif "block_m" in p and max(p["block_m"], p["block_n"]) > 16:
+        p["block_m" if p["block_m"] >= p["block_n"] else "block_n"] //= 2
+    else:
+        return None
+    return KernelConfig(cfg.kernel, p, f"{cfg.source}, shrunk to fit this GPU")

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from csrc_triton import cdiv
-from csrc_triton.capability import gluon_available
+from csrc_triton.capability import gluon_available, wgmma_ws_problem
 from csrc_triton.configs import FP32_MAX_BLOCK_K
 from csrc_triton.configs import WGMMA_WS_BLOCK_M as BLOCK_M  # two consumer warpgroups x one m64 wgmma
 from csrc_triton.pdl import launch_options, pdl_enabled, wait_for_primary
@@ -457,19 +457,16 @@ def streamk_slots(units: int, groups: int, chains: int) -> int:
 
 
 def unsupported_reason(x: torch.Tensor, w: torch.Tensor, capability: int) -> str | None:
-    """Why this kernel cannot run these operands here (None: it can). It needs Hopper (sm_90:
-    wgmma, TMA), Gluon, 16-bit operands of one dtype, and TMA-compatible layouts: unit stride
-    along K, 16-byte-aligned row strides and base addresses."""
+    """Why this kernel cannot run these operands here (None: it can): not under the interpreter
+    (Gluon kernels have none), the GPU, Triton and dtype rule (``capability.wgmma_ws_problem``),
+    then TMA-compatible layouts: unit stride along K, 16-byte-aligned row strides and addresses."""
     from csrc_triton.environment import interpreting
 
     if interpreting():
         return "TRITON_INTERPRET=1 (Gluon kernels have no interpreter)"
-    if capability // 10 != 9:
-        return f"compute capability {capability / 10:.1f} (needs 9.x)"
-    if not GLUON:
-        return "this Triton has no Gluon warp specialisation"
-    if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16):
-        return f"dtypes {x.dtype} x {w.dtype} (needs bf16 x bf16 or fp16 x fp16)"
+    problem = wgmma_ws_problem(capability, x.dtype, w.dtype)
+    if problem is not None:
+        return problem
     for name, t in (("x", x), ("weight", w)):
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return f"{name} layout (stride {tuple(t.stride())}, not 16-byte aligned rows)"

@@ -243,7 +243,7 @@ def test_tuner_keeps_the_fastest_triton_buckets_beside_wgmma_ws():
         table["shapes"]["7168x256"]["fp32/triton"] = table["shapes"]["7168x256"]["fp32"]
         x = torch.zeros(2048, 7168, dtype=torch.bfloat16)
         w = torch.zeros(256, 7168, dtype=torch.bfloat16)
-        assert d._wgmma_ws_fallback(ws, x, w, "test", 90).kernel == "splitk"
+        assert d._to_run(ws, x, w, torch.empty(0), 90, "test").kernel == "splitk"
     finally:
         c.load_table = orig
 

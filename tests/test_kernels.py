@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from csrc_triton.configs import KernelConfig, heuristic_config, select_config
+from csrc_triton.configs import KernelConfig, heuristic_config, select_config, shrink_config
 from csrc_triton.dot import DOT_IEEE, DOT_NATIVE, DOT_SPLIT3
 from vllm_router_ext.ops import startup
 from vllm_router_ext.ops.dispatch import dot_mode_for, router_gemm_cuda, run_config
@@ -392,7 +392,7 @@ def test_shrinking_stops_where_nothing_is_left_to_shrink(gen, monkeypatch):
 
     cfg = KernelConfig("tiled", dict(TILED_PROMOTED.params, block_m=32, block_n=64, num_stages=2))
     chain = [cfg]
-    while (smaller := d.shrink_config(chain[-1])) is not None:
+    while (smaller := shrink_config(chain[-1])) is not None:
         chain.append(smaller)
     assert [(c.params["num_stages"], c.params["block_m"], c.params["block_n"]) for c in chain] == [
         (2, 32, 64), (1, 32, 64), (1, 32, 32), (1, 16, 32), (1, 16, 16),
@@ -420,7 +420,7 @@ def test_a_wgmma_ws_config_that_never_fits_runs_the_triton_fallback(gen, monkeyp
 
     cfg = wgmma_ws_config(128, 0, num_stages=2, block_n_tail=32)
     chain = [cfg]
-    while (smaller := d.shrink_config(chain[-1])) is not None:
+    while (smaller := shrink_config(chain[-1])) is not None:
         chain.append(smaller)
     assert [(c.params["num_stages"], c.params.get("block_n_tail", 0)) for c in chain] == [
         (2, 32),

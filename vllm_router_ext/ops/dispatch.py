@@ -77,16 +77,6 @@ def _cublas(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> to
     return torch.mm(x, weight.T, out_dtype=torch.float32)  # fp32 written by the GEMM epilogue
 
 
-def fp32_weight_max_block_k(capability: int) -> int:
-    """BLOCK_K for a genuinely fp32 gate weight: each chunk of the weight tile is held in fp32 and
-    as three bf16 terms at once. Before sm_90 (mma.sync: operands in registers) 64- and 128-wide
-    chunks spill 0.1-7 KB per thread in the compile (``python -m vllm_router_ext.testing.aot``),
-    and on sm_100 64-wide heuristic tiles do too; 32 does not. On sm_90 the H200 table's 128-wide
-    chunks spill 72-176 bytes, yet capping them at 64 measured slower on the H200 (DeepSeek-V3
-    M=2048 157 -> 194 µs, docs/benchmarks.md): no cap on Hopper."""
-    return 128 if 90 <= capability < 100 else 32
-
-
 def run_config(
     cfg,
     x: torch.Tensor,
@@ -95,86 +85,62 @@ def run_config(
     dot_mode: int,
     capability: int | None = None,
 ) -> torch.Tensor:
-    """Launch one config into ``out`` (used by the dispatch, the tuner and the tests).
-    ``capability`` (x10) defaults to the device's (90 off-GPU)."""
-    from csrc_triton.router_gemm_gemv import gemv_launch
-    from csrc_triton.router_gemm_splitk import splitk_launch
-    from csrc_triton.router_gemm_tiled import tiled_launch
-
-    if cfg.kernel == "cublas":
-        return _cublas(x, weight, out.dtype)
-    params = dict(cfg.params)
-    if cfg.kernel == "gemv":  # fp32 FMA: exact for every mode and weight dtype, no dot mode
-        return gemv_launch(x, weight, out, **params)
-    if cfg.kernel == "splitk":
-        if weight.dtype == torch.float32:
-            # fp32 weight tiles are held in fp32 and as three bf16 terms. Narrower chunks where
-            # registers need it; 128-wide pipelined tiles overflow shared memory: 64x64, two
-            # stages. Both the same for every M of a mode (its buckets share one BLOCK_K, and the
-            # tile cap changes no sum), so batch invariance is kept.
-            if capability is None:
-                capability = _capability(x)
-            params["block_k"] = min(params["block_k"], fp32_weight_max_block_k(capability))
-            if params.get("num_stages", 1) > 1:
-                params.update(
-                    block_m=min(params["block_m"], 64), block_n=min(params["block_n"], 64), num_stages=2
-                )
-        if not params.get("promote_chunks"):
-            params["promote_chunks"] = params["k_per_split"] // params["block_k"]
-        return splitk_launch(x, weight, out, dot_mode=dot_mode, **params)
-    if cfg.kernel == "wgmma_ws":
-        from csrc_triton.router_gemm_wgmma_ws import unsupported_reason, wgmma_ws_launch
-
-        if capability is None:
-            capability = _capability(x)
-        reason = unsupported_reason(x, weight, capability)
-        if reason is None and out.dtype == torch.float32:
-            return wgmma_ws_launch(x, weight, out, **params)
-        return run_config(
-            _wgmma_ws_fallback(cfg, x, weight, reason, capability), x, weight, out, dot_mode, capability
-        )
-    if cfg.kernel == "tiled":
-        if weight.dtype == torch.float32:
-            # fp32 weight tiles (and their three bf16 terms) need far more shared memory than bf16
-            # ones: use 64x64x32 tiles, two stages, and keep the promoted chain 128 long.
-            if params.get("promote_chunks"):
-                params["promote_chunks"] = 4
-            params.update(block_m=min(params["block_m"], 64), block_n=min(params["block_n"], 64), block_k=32)
-            params["num_stages"] = 2
-        return tiled_launch(x, weight, out, dot_mode=dot_mode, **params)
-    raise ValueError(f"unknown kernel {cfg.kernel!r}; allowed: gemv, splitk, tiled, wgmma_ws, cublas")
+    """Launch what ``cfg`` becomes here (:func:`csrc_triton.configs.config_to_run`: the fallback
+    of a ``wgmma_ws`` config that cannot run, an fp32 weight's tiles) into ``out``. Used by the
+    dispatch, the tuner and the tests. ``capability`` (x10) defaults to the device's (90 off-GPU)."""
+    if capability is None:
+        capability = _capability(x)
+    return _launch(_to_run(cfg, x, weight, out, capability), x, weight, out, dot_mode)
 
 
 #: Reasons already logged for running a ``wgmma_ws`` config on another kernel (once each).
 _WGMMA_WS_FALLBACKS: set[str] = set()
 
 
-def _wgmma_ws_fallback(
-    cfg: KernelConfig, x: torch.Tensor, weight: torch.Tensor, reason: str | None, capability: int
-) -> KernelConfig:
-    """The Triton config that runs where a ``wgmma_ws`` config cannot (an fp32 gate weight, fp32
-    activations, rows TMA cannot read, a Triton without Gluon): the tuned table's fastest Triton
-    config for this M (``fp32/triton``), else the heuristic's."""
-    from csrc_triton.configs import heuristic_config, select_config
+def _to_run(cfg, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, capability: int, problem=None):
+    """:func:`config_to_run` with the facts only the tensors know: why a ``wgmma_ws`` config
+    cannot run them (``problem`` given: it did not fit this GPU)."""
+    from csrc_triton.configs import config_to_run
 
-    m, k = x.shape
+    if cfg.kernel == "wgmma_ws" and problem is None:
+        from csrc_triton.router_gemm_wgmma_ws import unsupported_reason
+
+        problem = unsupported_reason(x, weight, capability)
+        if problem is None and out.dtype != torch.float32:
+            problem = f"{out.dtype} logits (needs float32)"
     name, sms = _device_info(x.device.index or 0)[:2] if x.is_cuda else ("cpu-interpreter", 132)
-    fp32_weight = weight.dtype == torch.float32
-    fallback = select_config(
-        m, k, weight.shape[0], "fp32", False, name, sms, capability=capability, wgmma_ws=False,
-        fp32_weight=fp32_weight,
-    )  # fmt: skip
-    if fallback.kernel == "wgmma_ws":  # a hand-edited table's fp32/triton: never loop back here
-        fallback = heuristic_config(
-            m, k, weight.shape[0], "fp32", False, sms, capability=capability, wgmma_ws=False,
-            fp32_weight=fp32_weight,
-        )  # fmt: skip
-    if reason is not None and reason not in _WGMMA_WS_FALLBACKS:
-        _WGMMA_WS_FALLBACKS.add(reason)
+    m, k = x.shape
+    ran = config_to_run(
+        cfg, m, k, weight.shape[0], name, sms, capability, weight.dtype == torch.float32, problem
+    )
+    if ran.kernel != cfg.kernel and problem not in _WGMMA_WS_FALLBACKS:
+        _WGMMA_WS_FALLBACKS.add(problem)
         logger.info(
-            "vllm-router-ext: %s cannot run (%s); running %s", cfg.describe(), reason, fallback.describe()
+            "vllm-router-ext: %s cannot run (%s); running %s", cfg.describe(), problem, ran.describe()
         )
-    return fallback
+    return ran
+
+
+def _launch(cfg, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, dot_mode: int) -> torch.Tensor:
+    """Launch ``cfg`` exactly as it is."""
+    from csrc_triton.router_gemm_gemv import gemv_launch
+    from csrc_triton.router_gemm_splitk import splitk_launch
+    from csrc_triton.router_gemm_tiled import tiled_launch
+
+    params = dict(cfg.params)
+    if cfg.kernel == "cublas":
+        return _cublas(x, weight, out.dtype)
+    if cfg.kernel == "gemv":  # fp32 FMA: exact for every mode and weight dtype, no dot mode
+        return gemv_launch(x, weight, out, **params)
+    if cfg.kernel == "splitk":
+        return splitk_launch(x, weight, out, dot_mode=dot_mode, **params)
+    if cfg.kernel == "tiled":
+        return tiled_launch(x, weight, out, dot_mode=dot_mode, **params)
+    if cfg.kernel == "wgmma_ws":
+        from csrc_triton.router_gemm_wgmma_ws import wgmma_ws_launch
+
+        return wgmma_ws_launch(x, weight, out, **params)
+    raise ValueError(f"unknown kernel {cfg.kernel!r}; allowed: gemv, splitk, tiled, wgmma_ws, cublas")
 
 
 #: Where an fp32 gate weight's GEMM runs on its three bf16 terms (one promoted fp32-mode GEMM on
@@ -232,24 +198,6 @@ def router_gemm_cuda(
     return run_fitting_config(cfg, x, weight, out, dot_mode_for(x.dtype, weight.dtype))
 
 
-def shrink_config(cfg: KernelConfig) -> KernelConfig | None:
-    """The same sums in a smaller on-chip footprint, or None: one software-pipeline stage fewer,
-    else the larger of BLOCK_M / BLOCK_N halved (down to 16). BLOCK_K, the K split, the promotion
-    and the order of the split sum stay, so every logit is the same sum of the same products."""
-    from csrc_triton.configs import KernelConfig
-
-    p = dict(cfg.params)
-    if p.get("num_stages", 1) > 1:
-        p["num_stages"] -= 1
-    elif p.get("block_n_tail"):  # wgmma_ws: plain 128-wide tiles (its BLOCK_M is fixed)
-        del p["block_n_tail"]
-    elif "block_m" in p and max(p["block_m"], p["block_n"]) > 16:
-        p["block_m" if p["block_m"] >= p["block_n"] else "block_n"] //= 2
-    else:
-        return None
-    return KernelConfig(cfg.kernel, p, f"{cfg.source}, shrunk to fit this GPU")
-
-
 #: (device index, config) -> the config that ran instead: each shrink is found once per process.
 _FITTED: dict[tuple[int | None, KernelConfig], KernelConfig] = {}
 
@@ -264,6 +212,8 @@ def run_fitting_config(
     bucket's config, so a shrink happens (and is checked bitwise) before the first request."""
     from triton.runtime.errors import OutOfResources
 
+    from csrc_triton.configs import shrink_config
+
     key = (x.device.index, cfg)
     fitted = _FITTED.get(key, cfg) if _FITTED else cfg  # no hashing on the common path
     while True:
@@ -272,7 +222,7 @@ def run_fitting_config(
         except OutOfResources as e:
             smaller = shrink_config(fitted)
             if smaller is None and fitted.kernel == "wgmma_ws":  # the Triton kernels' same sums
-                smaller = _wgmma_ws_fallback(fitted, x, weight, None, _capability(x))
+                smaller = _to_run(fitted, x, weight, out, _capability(x), "does not fit this GPU")
             if smaller is None:
                 raise
             logger.warning(

@@ -68,7 +68,8 @@ def describe_cuda_dispatch(
             f"batch-invariant triton split-K, K split {kps} (BLOCK_K {block_k}) fixed for every M, "
             f"{how}{where} ({dot}; {cfg.source})"
         )
-    from csrc_triton.capability import gluon_available
+    from csrc_triton.capability import wgmma_ws_problem
+    from csrc_triton.configs import wgmma_ws_fallback
 
     label = {
         "gemv": "triton GEMV (fp32 FMA)",
@@ -79,11 +80,9 @@ def describe_cuda_dispatch(
     ranges: list[list] = []  # [kernel, first M, last M]
     for m in (1 << i for i in range(15)):
         kernel = select_config(m, k, n, precision.value, False, name, sms, capability=cap).kernel
-        if kernel == "wgmma_ws" and (weight_dtype == torch.float32 or not gluon_available()):
-            # what runs instead (the kernel's own fallback): an fp32 weight is not a TMA bf16 tile
-            kernel = select_config(
-                m, k, n, precision.value, False, name, sms, capability=cap, wgmma_ws=False
-            ).kernel
+        if kernel == "wgmma_ws" and wgmma_ws_problem(cap, torch.bfloat16, weight_dtype) is not None:
+            # what runs instead (the dispatch's fallback): e.g. an fp32 weight is not a bf16 TMA tile
+            kernel = wgmma_ws_fallback(m, k, n, name, sms, cap, weight_dtype == torch.float32).kernel
         if ranges and ranges[-1][0] == kernel:
             ranges[-1][2] = m
         else:
