@@ -108,7 +108,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def run_offline(tmp_path):
-    """Run one ``vllm.LLM`` scenario in a subprocess; returns what the probe saved."""
+    """Run one ``vllm.LLM`` scenario in a subprocess; returns what it saved."""
     from vllm_router_ext.testing.server import cpu_env, omp_threads_bind
 
     def run(
@@ -122,17 +122,17 @@ def run_offline(tmp_path):
         speculative_config=None,
         timeout=600,
     ):
-        out = tmp_path / f"probe-{len(list(tmp_path.glob('probe-*')))}.pt"
+        out = tmp_path / f"run-{len(list(tmp_path.glob('run-*')))}.pt"
         e = cpu_env(tmp_path)
         e.pop("TRITON_INTERPRET", None)
-        e["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships probe functions
+        e["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships the recorder functions
         if tp > 1:
             e["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(tp)
         e.update(env or {})
         cmd = [
             sys.executable,
             "-m",
-            "vllm_router_ext.testing.offline_probe",
+            "vllm_router_ext.testing.offline_run",
             str(model),
             str(out),
             "--additional-config",

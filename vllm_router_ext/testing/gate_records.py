@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-_RECORD_ATTR = "_router_ext_probe_records"
+_RECORD_ATTR = "_router_ext_gate_records"
 
 
 def gate_summary(model: torch.nn.Module) -> list[dict[str, Any]]:
@@ -58,7 +58,7 @@ def install_gate_recorders(model: torch.nn.Module) -> int:
             m.register_forward_hook(hook)
             n += 1
         router = getattr(m, "router", None)
-        if router is not None and hasattr(router, "select_experts") and not hasattr(router, "_probe"):
+        if router is not None and hasattr(router, "select_experts") and not hasattr(router, "_recorded"):
             original = router.select_experts
 
             def select_experts(*a, _orig=original, _name=name, **kw):
@@ -67,7 +67,7 @@ def install_gate_recorders(model: torch.nn.Module) -> int:
                 return weights, ids
 
             router.select_experts = select_experts
-            router._probe = True
+            router._recorded = True
     return n
 
 

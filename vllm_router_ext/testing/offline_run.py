@@ -1,6 +1,6 @@
 """Run one offline ``vllm.LLM`` scenario and save what the gates did, for the tests.
 
-    python -m vllm_router_ext.testing.offline_probe MODEL_DIR OUT.pt [--additional-config JSON]
+    python -m vllm_router_ext.testing.offline_run MODEL_DIR OUT.pt [--additional-config JSON]
         [--tp N] [--hf-overrides JSON] [--max-tokens N] [--speculative-config JSON]
 
 Saves ``{"texts", "gates": [per-rank gate summaries], "records": [rank-0 gate/router records]}``;
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from vllm import LLM, SamplingParams
 
-    from vllm_router_ext.testing import probes
+    from vllm_router_ext.testing import gate_records
 
     llm = LLM(
         model=args.model,
@@ -51,17 +51,17 @@ def main(argv: list[str] | None = None) -> int:
         speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
     )
     draft = args.speculative_config is not None
-    gates = llm.apply_model(probes.gate_summary)
-    llm.apply_model(probes.install_gate_recorders)
+    gates = llm.apply_model(gate_records.gate_summary)
+    llm.apply_model(gate_records.install_gate_recorders)
     saved = {"gates": gates}
     if draft:
-        saved["draft_gates"] = llm.collective_rpc(probes.draft_gate_summary)
-        llm.collective_rpc(probes.install_draft_gate_recorders)
+        saved["draft_gates"] = llm.collective_rpc(gate_records.draft_gate_summary)
+        llm.collective_rpc(gate_records.install_draft_gate_recorders)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=args.max_tokens, temperature=0))
     saved["texts"] = [o.outputs[0].text for o in outs]
-    saved["records"] = llm.apply_model(probes.collect_gate_records)[0]
+    saved["records"] = llm.apply_model(gate_records.collect_gate_records)[0]
     if draft:
-        saved["draft_records"] = llm.collective_rpc(probes.collect_draft_gate_records)[0]
+        saved["draft_records"] = llm.collective_rpc(gate_records.collect_draft_gate_records)[0]
     torch.save(saved, args.out)
     # Stop the engine (and its workers) now, then skip interpreter teardown: with TP=2 on the CPU,
     # a C++ thread left in this process once aborted teardown after a complete run ("terminate called
