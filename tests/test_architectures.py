@@ -7,6 +7,7 @@ CPU vLLM can run (DeepSeek-V3.2 and GLM-5 cannot: "Sparse Attention is not suppo
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,16 @@ import torch
 from vllm_router_ext.testing.tiny_checkpoint import ROUTING_PRESETS, build_tiny_model, cpu_runs_fp8
 
 _LAYER = itertools.count(1)  # vLLM refuses two layers of one name in a process
+
+
+@pytest.fixture(autouse=True)
+def _process_environment_restored():
+    """Building a model's VllmConfig on vLLM's CPU platform sets process-wide variables
+    (LD_PRELOAD, TORCHINDUCTOR_*, ...); later tests' vLLM subprocesses must not inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _vllm_config(path: Path, parallel_config):
