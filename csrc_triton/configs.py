@@ -44,6 +44,8 @@ PARAM_KEYS = (
     "fixed_ticket",
     "pdl",
     "flat_chain",
+    "maxnreg",
+    "copy_stages",
 )
 
 
@@ -56,7 +58,17 @@ class KernelConfig:
     def describe(self) -> str:
         if self.kernel == "cublas":
             return "cuBLAS"
-        keys = ("block_m", "block_n", "block_k", "k_per_split", "promote_chunks", "num_warps", "num_stages")
+        keys = (
+            "block_m",
+            "block_n",
+            "block_k",
+            "k_per_split",
+            "promote_chunks",
+            "num_warps",
+            "num_stages",
+            "copy_stages",
+            "maxnreg",
+        )
         if self.kernel == "wgmma_ws":  # fixed: 128-row tiles, two consumer warpgroups, one loader warp
             keys = (
                 "block_n",

@@ -48,6 +48,7 @@ def _gemv_kernel(
     K_PER_SPLIT: tl.constexpr,
     SPLIT_K: tl.constexpr,
     TICKET: tl.constexpr,
+    COPY_STAGES: tl.constexpr,
 ):
     # Token blocks vary fastest: programs that read the same weight rows run side by side.
     pid_m = tl.program_id(0)
@@ -67,12 +68,20 @@ def _gemv_kernel(
     w_mask = mask_n[None, :, None]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for c in tl.static_range(K_PER_SPLIT // BLOCK_K):  # unrolled: all loads can be in flight at once
-        offs_k = (k_begin + c * BLOCK_K + tl.arange(0, BLOCK_K))[None, None, :]
-        mask_k = offs_k < K
-        w = tl.load(w_rows + offs_k, mask=w_mask & mask_k, other=0.0)
-        x = tl.load(x_rows + offs_k, mask=x_mask & mask_k, other=0.0)
-        acc += x.to(tl.float32) * w.to(tl.float32)
+    if COPY_STAGES == 0:
+        for c in tl.static_range(K_PER_SPLIT // BLOCK_K):  # unrolled: all loads can be in flight at once
+            offs_k = (k_begin + c * BLOCK_K + tl.arange(0, BLOCK_K))[None, None, :]
+            mask_k = offs_k < K
+            w = tl.load(w_rows + offs_k, mask=w_mask & mask_k, other=0.0)
+            x = tl.load(x_rows + offs_k, mask=x_mask & mask_k, other=0.0)
+            acc += x.to(tl.float32) * w.to(tl.float32)
+    else:  # the same chunks in the same order, COPY_STAGES - 1 of them ahead through shared memory
+        for c in tl.range(0, K_PER_SPLIT // BLOCK_K, num_stages=COPY_STAGES):
+            offs_k = (k_begin + c * BLOCK_K + tl.arange(0, BLOCK_K))[None, None, :]
+            mask_k = offs_k < K
+            w = tl.load(w_rows + offs_k, mask=w_mask & mask_k, other=0.0)
+            x = tl.load(x_rows + offs_k, mask=x_mask & mask_k, other=0.0)
+            acc += x.to(tl.float32) * w.to(tl.float32)
     logits = tl.sum(acc, axis=2)
 
     finish_split(
@@ -100,9 +109,14 @@ def gemv_launch(
     num_warps: int = 4,
     num_stages: int = 1,
     ticket: bool = True,
+    maxnreg: int = 0,
+    copy_stages: int = 0,
 ) -> torch.Tensor:
     """Write ``x @ w.T`` into ``out`` [M, N]. x, w: unit stride along K; any float dtypes.
-    ``k_per_split`` is rounded up to whole BLOCK_K chunks; 0 (or >= K) means one split."""
+    ``k_per_split`` is rounded up to whole BLOCK_K chunks; 0 (or >= K) means one split.
+    ``maxnreg`` > 0 gives ptxas that register budget: with it, ptxas issues every chunk's loads
+    before the first FMA instead of holding some back until registers free up (a second trip to
+    memory); 0 leaves the budget to ptxas."""
     M, K = x.shape
     N = w.shape[0]
     if M == 0:
@@ -110,6 +124,7 @@ def gemv_launch(
     block_k = gemv_block_k(x, w, num_warps)
     k_per_split = cdiv(k_per_split if 0 < k_per_split < K else K, block_k) * block_k
     split_k = cdiv(K, k_per_split)
+    copy_stages = min(copy_stages, k_per_split // block_k)  # never more stages than chunks
     grid = (cdiv(M, block_m), cdiv(N, block_n), split_k)
     part, tickets, use_ticket = split_workspace(out, split_k, grid[0] * grid[1], ticket)
     _gemv_kernel[grid](
@@ -132,8 +147,10 @@ def gemv_launch(
         K_PER_SPLIT=k_per_split,
         SPLIT_K=split_k,
         TICKET=use_ticket,
+        COPY_STAGES=copy_stages,
         num_warps=num_warps,
         num_stages=num_stages,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if split_k > 1 and not use_ticket:
         reduce_partials(part, out)

@@ -112,6 +112,20 @@ def test_gemv_two_launch_form_equals_single_launch(gen):
     assert relative_error(one, reference_logits(x, w)) <= 1e-6
 
 
+@pytest.mark.parametrize("launch", [dict(copy_stages=2), dict(copy_stages=8), dict(maxnreg=255)], ids=str)
+def test_gemv_launch_options_keep_the_sums(gen, launch):
+    """``copy_stages`` (chunks copied ahead through shared memory) and ``maxnreg`` (ptxas's
+    register budget) change when the loads are issued, never what is added: bitwise the plain
+    GEMV's logits, with one split and with several (8 stages: more than the chunks, capped)."""
+    x, w = _inputs(gen, 5, 700, 24)
+    for base in (GEMV, GEMV_SPLIT):
+        plain = run_config(base, x, w, _poisoned(5, 24, torch.float32), DOT_NATIVE)
+        cfg = KernelConfig("gemv", {**base.params, **launch})
+        other = run_config(cfg, x, w, _poisoned(5, 24, torch.float32), DOT_NATIVE)
+        assert torch.equal(plain, other), base.describe()
+        assert relative_error(other, reference_logits(x, w)) <= 1e-6
+
+
 @pytest.mark.parametrize("promote_chunks", [2, 4, 0], ids=["two-chains-a-split", "one-chain", "unpromoted"])
 def test_pipelined_split_k_is_bitwise_the_unrolled_one(dot_order, gen, promote_chunks):
     """Batch-invariant tables may mix unrolled (small M) and pipelined (large M) split-K configs

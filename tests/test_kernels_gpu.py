@@ -101,6 +101,9 @@ GEMV_CONFIGS = [  # the tuner's GEMV space at its corners, plus split-K forms of
     dict(block_m=4, block_n=4, k_per_split=0, num_warps=4),
     dict(block_m=4, block_n=2, k_per_split=2048, num_warps=4),
     dict(block_m=2, block_n=4, k_per_split=1024, num_warps=4, ticket=False),
+    dict(block_m=1, block_n=2, k_per_split=0, num_warps=4, maxnreg=255),
+    dict(block_m=2, block_n=2, k_per_split=0, num_warps=4, copy_stages=7),
+    dict(block_m=4, block_n=2, k_per_split=2048, num_warps=4, copy_stages=2),
 ]
 
 
@@ -117,6 +120,21 @@ def test_gemv_kernel_poisoned_and_accurate(shape, params, w_dtype):
         run_config(cfg, x, w, out, dot_mode_for(x.dtype, w.dtype))
         assert not out.isnan().any(), (m, cfg.describe())
         assert _rel(out, x, w) <= 1e-6, (m, cfg.describe())
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+def test_gemv_launch_options_are_bitwise_the_plain_gemv(shape):
+    """On the GPU too, copying chunks ahead (cp.async) or raising ptxas's register budget only
+    moves the loads: the same FMAs in the same order, bitwise the same logits."""
+    plain = dict(block_m=2, block_n=2, k_per_split=0, num_warps=4)
+    for m in (1, 4, 7):
+        x, w = _xw(m, shape, w_dtype=torch.bfloat16, row_stride=shape.k + 64)
+        outs = []
+        for launch in ({}, dict(copy_stages=7), dict(maxnreg=255)):
+            out = torch.full((m, shape.n), float("nan"), device="cuda")
+            run_config(KernelConfig("gemv", {**plain, **launch}), x, w, out, dot_mode_for(x.dtype, w.dtype))
+            outs.append(out)
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), m
 
 
 def _hopper() -> bool:
