@@ -56,6 +56,8 @@ from vllm_router_ext.ops.dispatch import dot_mode_for, run_config  # noqa: E402
 #: tokens split-K 8.35 µs where the bucket tuned at 256 called cuBLAS, 9.44).
 TUNE_M_LIST = tuple(sorted((*M_LIST, 192, 384)))
 GEMV_MAX_M = 16
+GEMV_MAXNREG = 255  # the register budget that lets ptxas issue every chunk's loads up front
+GEMV_COPY_STAGES = 8  # >= chunks per row at 4 warps (7 for K=7168): every chunk copied ahead
 GEMV_SHAPES = [  # (block_n, num_warps) for BLOCK_M in {1, 2, 4} <= M; one K split (the probe's winners)
     (1, 4),
     (1, 8),
@@ -116,13 +118,22 @@ TILED = [  # (block_m, block_n, block_k, num_warps, num_stages)
 
 
 def gemv_candidates(m: int) -> list[KernelConfig]:
+    """Each (block_m, block_n, num_warps) plainly, with ptxas given the whole register file (every
+    load issued before the first FMA) and, at 4 warps, with every chunk copied ahead through shared
+    memory (cp.async)."""
     p2 = 1 << (m - 1).bit_length()
-    return [
-        KernelConfig("gemv", dict(block_m=bm, block_n=bn, k_per_split=0, num_warps=warps))
-        for bm in sorted({min(p2, 4), min(p2, 2), 1})
-        for bn, warps in GEMV_SHAPES
-        if bm * bn <= 16 and (warps == 4 or bm * bn <= 2)
-    ]
+    out = []
+    for bm in sorted({min(p2, 4), min(p2, 2), 1}):
+        for bn, warps in GEMV_SHAPES:
+            if bm * bn > 16 or (warps != 4 and bm * bn > 2):
+                continue
+            base = dict(block_m=bm, block_n=bn, k_per_split=0, num_warps=warps)
+            out.append(KernelConfig("gemv", base))
+            if warps <= 8:
+                out.append(KernelConfig("gemv", dict(base, maxnreg=GEMV_MAXNREG)))
+            if warps == 4:
+                out.append(KernelConfig("gemv", dict(base, copy_stages=GEMV_COPY_STAGES)))
+    return out
 
 
 def splitk_candidates(m: int, mode: str) -> list[KernelConfig]:
@@ -505,12 +516,12 @@ def tune_batch_invariant(
 
 #: --targeted: the winners of the full search on DeepSeek-V3 and of the GEMV design probe
 #: (benchmarks/NOTES.md), timed per shape against the table's current config.
-TARGETED_GEMV = {  # M -> (block_m, block_n, num_warps)
-    1: [(1, 1, 8), (1, 1, 16), (1, 2, 4)],
-    2: [(2, 1, 16), (2, 1, 8), (1, 2, 4)],
-    4: [(2, 1, 8), (2, 1, 4), (1, 2, 4)],
-    8: [(1, 4, 4), (2, 2, 4), (4, 2, 4)],
-    16: [(4, 4, 4), (4, 2, 4), (2, 4, 4)],
+TARGETED_GEMV = {  # M -> (block_m, block_n, num_warps, maxnreg, copy_stages)
+    1: [(1, 1, 8, 255, 0), (1, 1, 16, 0, 0), (1, 1, 8, 0, 0)],
+    2: [(1, 1, 8, 255, 0), (2, 1, 8, 255, 0), (2, 1, 16, 0, 0)],
+    4: [(1, 2, 4, 255, 0), (2, 2, 8, 255, 0), (2, 2, 4, 0, 8), (2, 1, 8, 0, 0), (1, 2, 4, 0, 0)],
+    8: [(1, 4, 4, 0, 0), (4, 2, 4, 0, 0), (4, 2, 8, 255, 0), (4, 2, 4, 0, 4)],
+    16: [(4, 4, 4, 0, 0), (4, 2, 4, 0, 0), (2, 4, 4, 0, 0)],
 }
 TARGETED_FP32_MID = [(64, 64, 1024, 4), (64, 64, 2048, 4), (128, 128, 3584, 8)]
 #: The fp32 mode's warp-specialised wgmma kernel (Hopper): from this M, K split into these many
@@ -546,10 +557,19 @@ def wgmma_ws_candidates(m: int, k: int, n: int) -> list[KernelConfig]:
     return list(dict.fromkeys(out))
 
 
+def gemv_params(block_m: int, block_n: int, num_warps: int, maxnreg: int, copy_stages: int) -> dict:
+    params = dict(block_m=block_m, block_n=block_n, k_per_split=0, num_warps=num_warps)
+    if maxnreg:
+        params["maxnreg"] = maxnreg
+    if copy_stages:
+        params["copy_stages"] = copy_stages
+    return params
+
+
 def targeted_candidates(m: int, mode: str, k: int = 0, n: int = 0) -> list[KernelConfig]:
     cands = [
-        KernelConfig("gemv", dict(block_m=bm, block_n=bn, k_per_split=0, num_warps=w))
-        for bm, bn, w in TARGETED_GEMV.get(m, [])
+        KernelConfig("gemv", gemv_params(bm, bn, w, maxnreg, stages))
+        for bm, bn, w, maxnreg, stages in TARGETED_GEMV.get(m, [])
     ]
     if mode == "fp32" and 128 <= m <= 8192:
         cands += [pipelined_splitk_config(bm, bn, kps, mode, w) for bm, bn, kps, w in TARGETED_FP32_MID]
