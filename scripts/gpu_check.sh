@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: any of the steps below, in order. Runs without vLLM; outputs under $OUT.
-#   bash scripts/gpu_check.sh [tests] [tests-gpu] [tune] [tune-rest] [tune-targeted] [tune-fp32] [tune-bi] [tests-k] [bench]
+#   bash scripts/gpu_check.sh [tests] [tests-parallel] [tests-gpu] [tune] [tune-rest] [tune-targeted] [tune-fp32] [tune-bi] [tests-k] [bench]
 # The bench step times the peer kernel too: FlashInfer's when it imports, else $PEER (a Python file
 # defining peer_mm(x, w), SHAPES and MS) when that exists.
 set -uo pipefail
@@ -14,6 +14,16 @@ for step in "$@"; do
   case $step in
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels.py \
              tests/test_router_gemm_op.py tests/test_selfcheck.py 2>&1 | tee "$OUT/pytest.log" | grep -vE "^DEBUG|^\s*$" | tail -25 ;;
+    tests-parallel) # the same tests in $SHARDS processes sharing the GPU (compiling is what takes the time)
+           n=${SHARDS:-4}; pids=()
+           for i in $(seq 0 $((n - 1))); do
+             timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider --shard "$i/$n" tests/test_kernels_gpu.py \
+               tests/test_kernels.py tests/test_router_gemm_op.py tests/test_selfcheck.py > "$OUT/pytest-shard$i.log" 2>&1 &
+             pids+=($!)
+           done
+           for p in "${pids[@]}"; do wait "$p"; done
+           cat "$OUT"/pytest-shard*.log > "$OUT/pytest.log" && rm "$OUT"/pytest-shard*.log
+           grep -E "passed|failed|error|FAILED|ERROR" "$OUT/pytest.log" | grep -vE "^DEBUG" | tail -25 ;;
     tests-gpu) timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 \
              | tee "$OUT/pytest.log" | grep -vE "^DEBUG|^\s*$" | tail -25 ;;
     tune) timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune.py --out "$OUT/nvidia_h200.json" 2>&1 \
@@ -42,6 +52,6 @@ for step in "$@"; do
     bench) peer=(); [ -f "${PEER:-}" ] && peer=(--peer "$PEER")
            timeout "${BENCH_TIMEOUT:-600}" python3 -m vllm_router_ext.bench --out "$OUT" "${peer[@]}" ${BENCH_ARGS:-} 2>&1 \
              | tee "$OUT/bench.log" | grep -vE "^\s+[A-Za-z0-9-]+ M=" | tail -150 ;;
-    *) echo "unknown step $step (tests, tests-gpu, tests-k, tune, tune-rest, tune-targeted, tune-fp32, tune-bi, bench)"; exit 2 ;;
+    *) echo "unknown step $step (tests, tests-parallel, tests-gpu, tests-k, tune, tune-rest, tune-targeted, tune-fp32, tune-bi, bench)"; exit 2 ;;
   esac
 done

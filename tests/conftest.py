@@ -34,11 +34,25 @@ if INTERPRETING:
     interpreter_dot.install()
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shard",
+        default="",
+        help="I/N: run only every N-th collected test, starting at I (0-based): N processes, one GPU",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+    if config.getoption("--shard"):
+        index, count = (int(v) for v in config.getoption("--shard").split("/"))
+        if not 0 <= index < count:
+            raise pytest.UsageError(f"--shard {index}/{count}: I must be in 0..N-1")
+        config.hook.pytest_deselected(items=[t for i, t in enumerate(items) if i % count != index])
+        items[:] = [t for i, t in enumerate(items) if i % count == index]
 
 
 @pytest.fixture(params=interpreter_dot.ORDERS if INTERPRETING else ("gpu-mma",))
