@@ -340,7 +340,7 @@ BI_K_STRUCTURES = [
 
 
 def bi_limit(m: int) -> float:
-    """The batch-invariant cost limit at M (issue #5): 1.5x the fastest path to 256 tokens, 2x above."""
+    """The batch-invariant cost limit at M: 1.5x the fastest path to 256 tokens, 2x above."""
     return 1.5 if m <= 256 else 2.0
 
 

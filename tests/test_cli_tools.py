@@ -297,3 +297,28 @@ def test_the_peer_comes_from_a_file_or_flashinfer_or_a_note_says_how(tmp_path, m
            "cuBLAS mm out_dtype=fp32": 6.0, PEER: 2.0}  # fmt: skip
     bench.print_tables([row], ["ours fp32", "cuBLAS mm out_dtype=fp32"])
     assert "| 2 | 3.00 (0.50) [1.50] | 6.00 (1.00) | 2.00 (0.33) | 0.10 |" in capsys.readouterr().out
+
+
+def test_bench_methods_take_turns_and_keep_each_ones_best_round(monkeypatch):
+    """Each round times every method once (the peer too, where it serves the size), in turn; a
+    method's number is its best round, so one slow turn (a clock dip) cannot make a ratio."""
+    from vllm_router_ext import bench
+    from vllm_router_ext.benchmarking import SHAPE_BY_NAME, Peer, make_inputs
+
+    order = []
+    times = iter([5.0, 9.0, 7.0, 4.0, 6.0, 8.0] + [3.0] * 4)
+
+    def fake_time_graph(calls, warmup, rep):
+        order.append(id(calls))
+        return next(times)
+
+    monkeypatch.setattr(bench, "time_graph", fake_time_graph)
+    monkeypatch.setattr(bench, "make_inputs", lambda m, k, n, copies: make_inputs(m, k, n, 2, device="cpu"))
+    shape = SHAPE_BY_NAME["DeepSeek-V2-Lite"]
+    peer_fn = lambda x, w: x.float() @ w.float().T  # noqa: E731
+    peer = Peer(peer_fn, ((shape.k, shape.n),), (1,), "test")
+    rows = bench.run_speed([shape], [1, 2], ["ours fp32", "ours bf16"], peer=peer, rounds=2)
+    # M=1: three timed methods (two ours + the peer) x two rounds = the six fake times
+    assert rows[0]["ours fp32"] == 4.0 and rows[0]["ours bf16"] == 6.0 and rows[0][bench.PEER] == 7.0
+    assert rows[1][bench.PEER] is None  # the peer serves M=1 only
+    assert len(set(order[:3])) == 3 and order[:3] == order[3:6]  # each once a round, same turns

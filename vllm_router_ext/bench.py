@@ -119,14 +119,18 @@ def environment(commit: str | None = None) -> dict:
     }
 
 
-def run_speed(shapes, ms, methods, on_shape_done=None, peer: Peer | None = None) -> list[dict]:
-    """µs per call of each method (and of ``peer`` where it serves the shape and M: else None)."""
+def run_speed(
+    shapes, ms, methods, on_shape_done=None, peer: Peer | None = None, rounds: int = 2
+) -> list[dict]:
+    """µs per call of each method (and of ``peer`` where it serves the shape and M: else None):
+    the best of ``rounds`` medians, the methods taking turns (a clock drift during one method's
+    turn shows as noise in one round, not as a ratio)."""
     rows = []
     for shape in shapes:
         for m in ms:
             copies = rotation_copies(m, shape.k, shape.n)
             xs, ws = make_inputs(m, shape.k, shape.n, copies)
-            w32s = [w.float() for w in ws]  # the PR #47410 layout: weight stored in fp32
+            w32s = [w.float() for w in ws]  # a gate weight stored in fp32 (vLLM PR #47410 keeps it so)
             terms = [fp32_weight_terms(w) if "ours fp32 (fp32 weight)" in methods else None for w in w32s]
             row = {
                 "shape": shape.name,
@@ -135,17 +139,21 @@ def run_speed(shapes, ms, methods, on_shape_done=None, peer: Peer | None = None)
                 "M": m,
                 "floor_us": floor_us(m, shape.k, shape.n),
             }
-            for name in methods:
-                fn = METHODS[name]
-                calls = [
-                    lambda x=x, w=w, w32=w32, t=t, fn=fn: fn(x, w, w32, t)
+            timed = {
+                name: [
+                    lambda x=x, w=w, w32=w32, t=t, fn=METHODS[name]: fn(x, w, w32, t)
                     for x, w, w32, t in zip(xs, ws, w32s, terms, strict=True)
                 ]
-                row[name] = time_graph(calls, warmup=10, rep=50)
+                for name in methods
+            }
             if peer is not None:
-                served = peer.serves(m, shape.k, shape.n)
-                calls = [lambda x=x, w=w: peer.fn(x, w) for x, w in zip(xs, ws, strict=True)]
-                row[PEER] = time_graph(calls, warmup=10, rep=50) if served else None
+                row[PEER] = None
+                if peer.serves(m, shape.k, shape.n):
+                    timed[PEER] = [lambda x=x, w=w: peer.fn(x, w) for x, w in zip(xs, ws, strict=True)]
+            for _ in range(rounds):
+                for name, calls in timed.items():
+                    us = time_graph(calls, warmup=10, rep=50)
+                    row[name] = us if row.get(name) is None else min(row[name], us)
             rows.append(row)
             base = row.get(BASELINE)
             print(
