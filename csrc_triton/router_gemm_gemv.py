@@ -28,6 +28,16 @@ from csrc_triton.router_gemm_splitk import finish_split, reduce_partials, split_
 
 
 @triton.jit
+def _add_chunk(acc, x_rows, w_rows, x_mask, w_mask, k0, K, BLOCK_K: tl.constexpr):
+    """``acc`` plus the exact products of the chunk of K from ``k0`` (one fp32 FMA per element)."""
+    offs_k = (k0 + tl.arange(0, BLOCK_K))[None, None, :]
+    mask_k = offs_k < K
+    w = tl.load(w_rows + offs_k, mask=w_mask & mask_k, other=0.0)
+    x = tl.load(x_rows + offs_k, mask=x_mask & mask_k, other=0.0)
+    return acc + x.to(tl.float32) * w.to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -70,18 +80,10 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     if COPY_STAGES == 0:
         for c in tl.static_range(K_PER_SPLIT // BLOCK_K):  # unrolled: all loads can be in flight at once
-            offs_k = (k_begin + c * BLOCK_K + tl.arange(0, BLOCK_K))[None, None, :]
-            mask_k = offs_k < K
-            w = tl.load(w_rows + offs_k, mask=w_mask & mask_k, other=0.0)
-            x = tl.load(x_rows + offs_k, mask=x_mask & mask_k, other=0.0)
-            acc += x.to(tl.float32) * w.to(tl.float32)
+            acc = _add_chunk(acc, x_rows, w_rows, x_mask, w_mask, k_begin + c * BLOCK_K, K, BLOCK_K)
     else:  # the same chunks in the same order, COPY_STAGES - 1 of them ahead through shared memory
         for c in tl.range(0, K_PER_SPLIT // BLOCK_K, num_stages=COPY_STAGES):
-            offs_k = (k_begin + c * BLOCK_K + tl.arange(0, BLOCK_K))[None, None, :]
-            mask_k = offs_k < K
-            w = tl.load(w_rows + offs_k, mask=w_mask & mask_k, other=0.0)
-            x = tl.load(x_rows + offs_k, mask=x_mask & mask_k, other=0.0)
-            acc += x.to(tl.float32) * w.to(tl.float32)
+            acc = _add_chunk(acc, x_rows, w_rows, x_mask, w_mask, k_begin + c * BLOCK_K, K, BLOCK_K)
     logits = tl.sum(acc, axis=2)
 
     finish_split(
