@@ -117,6 +117,16 @@ TILED = [  # (block_m, block_n, block_k, num_warps, num_stages)
 ]
 
 
+def gemv_params(block_m: int, block_n: int, num_warps: int, maxnreg: int = 0, copy_stages: int = 0) -> dict:
+    """A one-split GEMV config's parameters; the launch options only where they are set."""
+    params = dict(block_m=block_m, block_n=block_n, k_per_split=0, num_warps=num_warps)
+    if maxnreg:
+        params["maxnreg"] = maxnreg
+    if copy_stages:
+        params["copy_stages"] = copy_stages
+    return params
+
+
 def gemv_candidates(m: int) -> list[KernelConfig]:
     """Each (block_m, block_n, num_warps) plainly, with ptxas given the whole register file (every
     load issued before the first FMA) and, at 4 warps, with every chunk copied ahead through shared
@@ -127,12 +137,11 @@ def gemv_candidates(m: int) -> list[KernelConfig]:
         for bn, warps in GEMV_SHAPES:
             if bm * bn > 16 or (warps != 4 and bm * bn > 2):
                 continue
-            base = dict(block_m=bm, block_n=bn, k_per_split=0, num_warps=warps)
-            out.append(KernelConfig("gemv", base))
+            out.append(KernelConfig("gemv", gemv_params(bm, bn, warps)))
             if warps <= 8:
-                out.append(KernelConfig("gemv", dict(base, maxnreg=GEMV_MAXNREG)))
+                out.append(KernelConfig("gemv", gemv_params(bm, bn, warps, maxnreg=GEMV_MAXNREG)))
             if warps == 4:
-                out.append(KernelConfig("gemv", dict(base, copy_stages=GEMV_COPY_STAGES)))
+                out.append(KernelConfig("gemv", gemv_params(bm, bn, warps, copy_stages=GEMV_COPY_STAGES)))
     return out
 
 
@@ -555,15 +564,6 @@ def wgmma_ws_candidates(m: int, k: int, n: int) -> list[KernelConfig]:
     # stream-K: one program per SM, the tiles' chains shared evenly (no wave of idle SMs)
     out += [wgmma_ws_config(block_n, 0, stream_k=sms) for block_n, tail, c in widths if not tail and c == 2]
     return list(dict.fromkeys(out))
-
-
-def gemv_params(block_m: int, block_n: int, num_warps: int, maxnreg: int, copy_stages: int) -> dict:
-    params = dict(block_m=block_m, block_n=block_n, k_per_split=0, num_warps=num_warps)
-    if maxnreg:
-        params["maxnreg"] = maxnreg
-    if copy_stages:
-        params["copy_stages"] = copy_stages
-    return params
 
 
 def targeted_candidates(m: int, mode: str, k: int = 0, n: int = 0) -> list[KernelConfig]:

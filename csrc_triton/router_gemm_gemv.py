@@ -118,7 +118,8 @@ def gemv_launch(
     ``k_per_split`` is rounded up to whole BLOCK_K chunks; 0 (or >= K) means one split.
     ``maxnreg`` > 0 gives ptxas that register budget: with it, ptxas issues every chunk's loads
     before the first FMA instead of holding some back until registers free up (a second trip to
-    memory); 0 leaves the budget to ptxas."""
+    memory); 0 leaves the budget to ptxas. ``copy_stages`` > 0 runs the chunk loop as a cp.async
+    pipeline with that many stages (capped at the chunk count); 0 unrolls it."""
     M, K = x.shape
     N = w.shape[0]
     if M == 0:
