@@ -89,6 +89,24 @@ class Server:
         with urllib.request.urlopen(req, timeout=120) as r:
             return json.loads(r.read())
 
+    def post(self, path: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+        """POST ``body`` as JSON; (status, JSON reply), also for an HTTP error status."""
+        req = urllib.request.Request(
+            self.base_url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def rpc(self, method: str, *args: str) -> list:
+        """A worker method through vLLM's ``/collective_rpc`` (needs ``VLLM_SERVER_DEV_MODE=1``)."""
+        status, reply = self.post("/collective_rpc", {"method": method, "args": list(args)}, timeout=300)
+        if status != 200:
+            raise RuntimeError(f"collective_rpc {method}: HTTP {status}: {reply}")
+        return reply.get("results", [])
+
     def model_name(self) -> str:
         with urllib.request.urlopen(self.base_url + "/v1/models", timeout=30) as r:
             return json.loads(r.read())["data"][0]["id"]
@@ -105,10 +123,16 @@ class Server:
 
 
 def start_server(
-    model_dir: Path, workdir: Path, *extra_args: str, port: int | None = None, env: dict | None = None
+    model_dir: Path,
+    workdir: Path,
+    *extra_args: str,
+    port: int | None = None,
+    env: dict | None = None,
+    eager: bool = True,
 ) -> Server:
     """``vllm serve MODEL_DIR --host 127.0.0.1 ...`` in its own process group, logging to a file;
-    ``env``: variables on top of :func:`cpu_env`."""
+    ``env``: variables on top of :func:`cpu_env`; ``eager=False`` keeps vLLM's default
+    torch.compile and CUDA graphs."""
     port = port or free_port()
     log_path = workdir / f"vllm-serve-{port}.log"
     cmd = [
@@ -121,7 +145,7 @@ def start_server(
         str(port),
         "--max-model-len",
         "512",
-        "--enforce-eager",
+        *(["--enforce-eager"] if eager else []),
         *extra_args,
     ]
     with open(log_path, "w") as log:
@@ -138,13 +162,18 @@ def start_server(
 
 
 def serve(
-    model_dir: Path, workdir: Path, *extra_args: str, timeout: float = 420.0, env: dict | None = None
+    model_dir: Path,
+    workdir: Path,
+    *extra_args: str,
+    timeout: float = 420.0,
+    env: dict | None = None,
+    eager: bool = True,
 ) -> Server:
     """:func:`start_server` on a free port and wait until it is healthy. A port is free when picked
     and taken when vLLM binds it, seconds later: if another process took it meanwhile, start again
     on another (three tries)."""
     for attempt in range(3):
-        server = start_server(model_dir, workdir, *extra_args, env=env)
+        server = start_server(model_dir, workdir, *extra_args, env=env, eager=eager)
         try:
             server.wait_healthy(timeout)
             return server

@@ -48,6 +48,11 @@ TINY_V3 = dict(
 )
 
 
+#: vLLM's MLA prefill kernels on CUDA take only DeepSeek's own head sizes (with the body's
+#: ``kv_lora_rank`` 512 and ``qk_rope_head_dim`` 64): overrides for a checkpoint served on a GPU.
+GPU_MLA_SIZES = {"qk_nope_head_dim": 128, "v_head_dim": 128}
+
+
 #: The routing of each DeepSeek-family release, as its config.json states it (expert count, group
 #: top-k, scoring, scaling), on the tiny body above. Dense layers, attention and sizes stay tiny.
 ROUTING_PRESETS: dict[str, dict] = {

@@ -1,0 +1,347 @@
+"""End to end through real CUDA vLLM on a GPU: ``vllm serve`` of tiny checkpoints with DeepSeek's
+real MLA head sizes and each release's routing, with vLLM's defaults (torch.compile and CUDA
+graphs) unless a case says otherwise. The servers a run needs start together on the one GPU, each
+with a small fixed KV cache. Inside each served model a graph-safe tap (``testing.gate_tap``)
+records what the gates saw and returned for real prefill and decode batches.
+
+    pytest tests/test_gpu_vllm.py            # on a machine with CUDA vLLM installed (pip install vllm)
+
+``ROUTER_EXT_E2E_LOGS=DIR`` copies every server's log into DIR.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _cuda_vllm() -> str | None:
+    """Why these tests cannot run here, or None."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU and CUDA vLLM (run on a GPU machine with `pip install vllm`)"
+    try:
+        from vllm.platforms import current_platform
+    except Exception as e:  # noqa: BLE001
+        return f"needs CUDA vLLM: import vllm failed ({e!r})"
+    if not current_platform.is_cuda():
+        return f"needs CUDA vLLM; this vLLM runs on {current_platform.device_name}"
+    return None
+
+
+_WHY = _cuda_vllm()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
+
+from vllm_router_ext.ops.reference import (  # noqa: E402
+    RoutingConfig,
+    near_tie_mask,
+    reference_logits,
+    relative_error,
+    select_experts,
+)
+from vllm_router_ext.testing.server import Server, precision_lines, start_server  # noqa: E402
+from vllm_router_ext.testing.tiny_checkpoint import GPU_MLA_SIZES, build_tiny_model  # noqa: E402
+
+TAP = "vllm_router_ext.testing.gate_tap:GateTap"
+# fp32 logits of exact bf16 products summed in fp32 (~1e-7 relative); bf16: one bf16 rounding.
+LOGIT_TOL = {"fp32": 1e-5, "bf16-fp32out": 1e-5, "bf16": 1e-2}
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\nclass Path",
+    "for i in range(10):",
+    "    return self._data[key]",
+    "The quick brown fox",
+    "SELECT * FROM users WHERE",
+    "#include <stdio.h>\nint main",
+    "Once upon a time",
+]
+LONG_PROMPT = " ".join(f"token{i} value{i * 7 % 13}" for i in range(40))
+
+
+@dataclass(frozen=True)
+class Spec:
+    model: str  # a key of ROUTING_PRESETS
+    args: tuple[str, ...] = ()
+    expect: str = "fp32"  # the precision every gate must run
+    fp8: bool = False
+    mtp: int = 0
+    eager: bool = False
+    env: dict = field(default_factory=dict)
+
+
+SPECS: dict[str, Spec] = {
+    "v3-auto": Spec("deepseek-v3"),
+    "v3-fp32": Spec("deepseek-v3", ("--router-precision", "fp32")),
+    "v3-bf16-fp32out": Spec("deepseek-v3", ("--router-precision", "bf16-fp32out"), "bf16-fp32out"),
+    "v3-bf16": Spec("deepseek-v3", ("--router-precision", "bf16"), "bf16"),
+    # The FP8 release's layout; DeepGEMM off: its first start JIT-compiles for minutes.
+    "v3-fp8": Spec("deepseek-v3", fp8=True, env={"VLLM_USE_DEEP_GEMM": "0"}),
+    "kimi-k2": Spec("kimi-k2"),
+    "deepseek-v2": Spec("deepseek-v2"),
+    "deepseek-v2-lite": Spec("deepseek-v2-lite"),
+    "v3-mtp": Spec(
+        "deepseek-v3",
+        ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})),
+        mtp=1,
+    ),  # fmt: skip
+    "v3-batch-invariant": Spec(
+        "deepseek-v3", ("--router-batch-invariant",), env={"VLLM_BATCH_INVARIANT": "1"}
+    ),
+    "v3-capture": Spec("deepseek-v3", eager=True),  # the capture records in eager mode only
+    "deepseek-v3.2": Spec("deepseek-v3.2"),
+    "glm-5": Spec("glm-5"),
+}
+SERVED = [s for s in SPECS if s != "v3-capture"]
+TAPPED = [s for s in SERVED if s not in ("deepseek-v3.2", "glm-5")]
+
+
+class Servers:
+    """The servers this pytest run needs, started together at first use."""
+
+    def __init__(self, names: list[str], root: Path) -> None:
+        self.root = root
+        self.servers: dict[str, Server] = {}
+        self.errors: dict[str, str] = {}
+        self.models: dict[str, Path] = {}
+        for name in names:
+            spec = SPECS[name]
+            overrides = {**GPU_MLA_SIZES, "num_hidden_layers": 3}
+            self.models[name] = build_tiny_model(
+                root / f"ckpt-{name}", spec.model, seed=len(self.models), fp8=spec.fp8,
+                mtp_layers=spec.mtp, config_overrides=overrides,
+            )  # fmt: skip
+        for name in names:
+            spec = SPECS[name]
+            work = root / name
+            work.mkdir()
+            args = [
+                "--gpu-memory-utilization", "0.04", "--kv-cache-memory-bytes", str(1 << 30),
+                "--max-num-seqs", "64", *spec.args,
+            ]  # fmt: skip
+            if name == "v3-capture":
+                args += ["--router-capture", str(work / "capture"), "--router-capture-tokens", "24"]
+            else:
+                args += ["--worker-extension-cls", TAP]
+            env = {"VLLM_SERVER_DEV_MODE": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", **spec.env}
+            self.servers[name] = start_server(self.models[name], work, *args, env=env, eager=spec.eager)
+        with cf.ThreadPoolExecutor(len(names) or 1) as pool:
+            for name, error in zip(names, pool.map(self._wait, names), strict=True):
+                if error:
+                    self.errors[name] = error
+
+    def _wait(self, name: str) -> str | None:
+        try:
+            self.servers[name].wait_healthy(timeout=float(os.environ.get("ROUTER_EXT_E2E_START_S", "480")))
+        except (RuntimeError, TimeoutError) as e:
+            return str(e)
+        return None
+
+    def get(self, name: str) -> Server:
+        if name in self.errors:
+            pytest.fail(f"{name}: vllm serve did not come up:\n{self.errors[name][-3000:]}")
+        return self.servers[name]
+
+    def stop(self) -> None:
+        logs = os.environ.get("ROUTER_EXT_E2E_LOGS")
+        for name, server in self.servers.items():
+            server.stop()
+            if logs:
+                Path(logs).mkdir(parents=True, exist_ok=True)
+                shutil.copy(server.log_path, Path(logs) / f"{name}.log")
+
+
+@pytest.fixture(scope="session")
+def servers(request, tmp_path_factory):
+    names = sorted(
+        {item.callspec.params["spec"] for item in request.session.items
+         if hasattr(item, "callspec") and item.callspec.params.get("spec") in SPECS}
+    )  # fmt: skip
+    group = Servers(names, tmp_path_factory.mktemp("gpu-e2e"))
+    yield group
+    group.stop()
+
+
+def _complete(server: Server, prompt: str, max_tokens: int = 16, **extra) -> dict:
+    status, reply = server.post(
+        "/v1/completions",
+        {"model": server.model_name(), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra},
+    )
+    assert status == 200, reply
+    return reply
+
+
+def _concurrently(fn, items: list) -> list:
+    with cf.ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
+@pytest.mark.parametrize("spec", SERVED)
+def test_serves_with_defaults_and_names_the_gpu_kernels(servers, spec):
+    server = servers.get(spec)
+    reply = _complete(server, "def fibonacci(n):", max_tokens=12)
+    assert reply["usage"]["completion_tokens"] == 12 and reply["choices"][0]["text"]
+    status, _ = server.post(
+        "/v1/completions", {"model": server.model_name(), "prompt": "x", "max_tokens": -3}
+    )
+    assert status == 400
+    log = server.log()
+    lines = precision_lines(log)
+    expect = SPECS[spec].expect
+    assert len(lines) == (2 if SPECS[spec].mtp else 1), lines  # the MTP draft's gates log their own line
+    for line in lines:
+        assert f"router precision {expect} " in line, line
+        assert ("logits float32" if expect != "bf16" else "logits model dtype") in line
+        assert (
+            "implementation: triton" in line or "implementation: gluon" in line or "batch-invariant" in line
+        )
+        assert "weight bfloat16" in line, line  # FP8 checkpoints too: the gate is not quantized
+    assert "is quantized; leaving it" not in log
+    assert "Traceback" not in log
+    if not SPECS[spec].eager:
+        assert "Capturing CUDA graphs" in log or "Graph capturing finished" in log, "no CUDA graphs captured"
+        assert "torch.compile" in log, "the model was not compiled"
+
+
+def _tap(server: Server, tmp: Path, traffic) -> dict:
+    started = server.rpc("router_tap_start")
+    assert started and started[0]["gates"], started
+    traffic()
+    path = tmp / "tap.pt"
+    server.rpc("router_tap_dump", str(path))
+    return torch.load(path, weights_only=False)
+
+
+@pytest.mark.parametrize("spec", TAPPED)
+def test_gate_logits_inside_the_served_model_match_fp64(servers, spec, tmp_path):
+    """Prefill (one long prompt, then 8 prompts at once) and decode: every row each gate saw, under
+    compile and CUDA graphs, against fp64 of the same input; fp32 mode: the same experts as fp64."""
+    server = servers.get(spec)
+
+    def traffic():
+        _complete(server, LONG_PROMPT, max_tokens=4)
+        _concurrently(lambda p: _complete(server, p, max_tokens=24), PROMPTS)
+
+    taps = _tap(server, tmp_path, traffic)
+    cfg = json.loads((servers.models[spec] / "config.json").read_text(encoding="utf-8"))
+    routing = RoutingConfig.from_hf_config(cfg)
+    expect = SPECS[spec].expect
+    assert {n.split(":")[0] for n in taps} == ({"target", "draft"} if SPECS[spec].mtp else {"target"})
+    for name, t in taps.items():
+        assert t["precision"] == expect, name
+        assert t["out_dtype"] == ("None" if expect == "bf16" else "torch.float32"), name
+        sizes = t["sizes"].tolist()
+        assert t["rows_seen"] == sum(sizes) and t["x"].shape[0] > 0, name
+        if name.startswith("target:"):
+            assert max(sizes) >= 64 and min(sizes) <= 8, (name, sorted(set(sizes)))  # prefill and decode
+        ref = reference_logits(t["x"], t["weight"])
+        err = relative_error(t["logits"], ref)
+        assert err <= LOGIT_TOL[expect], (name, err)
+        if expect == "fp32":
+            ids, _ = select_experts(t["logits"].double(), routing, t["bias"])
+            ref_ids, _ = select_experts(ref, routing, t["bias"])
+            # fp32's own error (1e-5 relative) can swap only experts whose fp64 scores tie that closely
+            ties = near_tie_mask(ref, routing, t["bias"], 1e-5 * ref.abs().max().item() / 4 + 1e-7)
+            same = (ids == ref_ids).all(dim=-1)
+            assert same[~ties].all() and ties.float().mean() < 0.01, (name, int((~same).sum()))
+
+
+@pytest.mark.parametrize("spec", ["v3-batch-invariant"])
+def test_batch_invariant_tokens_equal_alone_and_in_batches(servers, spec):
+    server = servers.get(spec)
+    probe = "def merge_sorted(a, b):"
+    alone = _complete(server, probe, max_tokens=24, logprobs=1)["choices"][0]
+    neighbours = [p + f" # {i}" for i, p in enumerate(PROMPTS * 4)]
+    for size in (2, 4, 8, 16, 32):
+        batch = [probe, *neighbours[: size - 1]]
+        got = _concurrently(lambda p: _complete(server, p, max_tokens=24, logprobs=1)["choices"][0], batch)[0]
+        assert got["text"] == alone["text"], size
+        assert got["logprobs"]["token_logprobs"] == alone["logprobs"]["token_logprobs"], size
+
+
+@pytest.mark.parametrize("spec", ["v3-capture"])
+def test_capture_on_the_gpu_server_and_the_audit_reads_it(servers, spec):
+    from safetensors.torch import load_file
+
+    server = servers.get(spec)
+    capture = server.log_path.parent / "capture"
+    path = capture / "router-capture-1-dp0.safetensors"
+    for i in range(40):
+        _complete(server, f"def f{i}(x):\n    return", max_tokens=4)
+        if path.with_suffix(".json").exists():
+            break
+    assert path.with_suffix(".json").exists(), server.log()[-3000:]
+    data = load_file(str(path))
+    weights = load_file(str(servers.models[spec] / "model.safetensors"))
+    for key in [k for k in data if k.startswith("layers.")]:
+        layer = key.split(".")[1]
+        w = weights[f"model.layers.{layer}.mlp.gate.weight"]
+        assert relative_error(data[f"logits.{layer}"], reference_logits(data[key], w)) <= 1e-5
+    out = server.log_path.parent / "audit"
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_router_ext.audit",
+        str(servers.models[spec]),
+        "--hidden-states",
+        str(capture),
+    ]
+    p = subprocess.run(
+        [*cmd, "--out", str(out), "--no-progress"], capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads((out / "audit.json").read_text(encoding="utf-8"))
+    assert result["tokens"] == 24 and result["overall"]["fp32"]["rel_err"] <= 1e-6
+
+
+def _stream(server: Server, prompt: str) -> int:
+    body = {"model": server.model_name(), "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}
+    req = urllib.request.Request(
+        server.base_url + "/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=120) as r:
+        chunks = [ln for ln in r.read().decode().splitlines() if ln.startswith("data: ")]
+        assert chunks[-1] == "data: [DONE]" and len(chunks) >= 2
+        return r.status
+
+
+@pytest.mark.parametrize("spec", ["v3-bf16-fp32out"])
+def test_load_32_clients_with_bad_requests_mixed_in(servers, spec):
+    server = servers.get(spec)
+    mark = len(server.log())
+    name = server.model_name()
+    lock = threading.Lock()
+    statuses: dict[str, list[int]] = {"good": [], "bad": []}
+
+    def job(i: int) -> None:
+        if i % 8 == 7:  # a bad request: negative max_tokens, or an unknown model
+            body = {"model": name if i % 16 == 7 else "no-such-model", "prompt": "x", "max_tokens": -1}
+            kind, status = "bad", server.post("/v1/completions", body)[0]
+        elif i % 2:
+            kind, status = "good", _stream(server, f"{PROMPTS[i % 8]} {i}")
+        else:
+            body = {"model": name, "prompt": f"{PROMPTS[i % 8]} {i}", "max_tokens": 8, "temperature": 0}
+            kind, status = "good", server.post("/v1/completions", body)[0]
+        with lock:
+            statuses[kind].append(status)
+
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(32) as pool:
+        list(pool.map(job, range(292)))  # every 8th bad: 256 good, 36 bad
+    assert len(statuses["good"]) == 256 and set(statuses["good"]) == {200}, statuses["good"]
+    assert statuses["bad"] and all(400 <= s < 500 for s in statuses["bad"]), statuses["bad"]
+    with urllib.request.urlopen(server.base_url + "/health", timeout=10) as r:
+        assert r.status == 200
+    assert " ERROR " not in server.log()[mark:]
+    assert time.monotonic() - t0 < 300
