@@ -15,6 +15,10 @@ EXERCISED = {
     "python benchmarks/render_tables.py": (
         "tests/test_cli_tools.py::test_render_tables_prints_each_shape_with_cublas_and_peer_ratios_and_plots"
     ),
+    # The GPU end-to-end suite is the command itself (run on the H200: benchmarks/NOTES.md).
+    "pip install pytest && pytest tests/test_gpu_vllm.py": (
+        "tests/test_gpu_vllm.py::test_serves_with_defaults_and_names_the_gpu_kernels"
+    ),
     "bash scripts/setup_cpu_env.sh": "CI: .ci/run -> scripts/test.sh runs it first",
     "vllm serve --help=vllm-router-ext": "tests/test_vllm_serve.py::test_serve_help_lists_the_flags",
     "vllm-router-audit MODEL_DIR --hidden-states capture/": (

@@ -1,7 +1,7 @@
 """A tap on the router gates of a served model that survives torch.compile and CUDA graphs.
 
 vLLM imports this module in each worker when it is named as the worker extension
-(``vllm serve ... --worker-extension-cls vllm_router_ext.testing.gate_tap:GateTap``). Importing it
+(``vllm serve ... --worker-extension-cls vllm_router_ext.testing.gate_tap.GateTap``). Importing it
 makes every gate the plugin owns copy its input and logits into device buffers at device-side
 positions, inside one mutating custom op: compile keeps the op, CUDA graphs capture and replay its
 kernels, so real decode and prefill batches are recorded as served. The tap is off (records
@@ -89,16 +89,23 @@ RouterGateLinear.forward = _tapped_forward
 
 def _gates(worker: Any) -> dict[str, RouterGateLinear]:
     runner = worker.model_runner
-    models = {"target": runner.model}
-    drafter = getattr(runner, "drafter", None)
-    if drafter is not None and getattr(drafter, "model", None) is not None:
-        models["draft"] = drafter.model
-    return {
-        f"{kind}:{name}": m
-        for kind, model in models.items()
+    gates = {f"target:{name}": m for name, m in _owned(runner.model)}
+    # The speculative-decoding proposer (its attribute name differs between vLLM's model runners)
+    # holds the draft model as ``.model``; a draft's gates are those the target does not have.
+    target = {id(m) for m in gates.values()}
+    for part in vars(runner).values():
+        draft = getattr(part, "model", None)
+        if isinstance(draft, torch.nn.Module):
+            gates.update({f"draft:{name}": m for name, m in _owned(draft) if id(m) not in target})
+    return gates
+
+
+def _owned(model: torch.nn.Module) -> list[tuple[str, RouterGateLinear]]:
+    return [
+        (name, m)
         for name, m in model.named_modules()
         if isinstance(m, RouterGateLinear) and m.router_settings is not None
-    }
+    ]
 
 
 class GateTap:
