@@ -287,8 +287,7 @@ def test_the_peer_comes_from_a_file_or_flashinfer_or_a_note_says_how(tmp_path, m
     assert "pip install flashinfer-python" in note
     src = tmp_path / "peer.py"
     src.write_text(
-        "MS = (1, 2)\nSHAPES = ((64, 8),)\n"
-        "def peer_mm(x, w):\n    return x.float() @ w.float().T\n"
+        "MS = (1, 2)\nSHAPES = ((64, 8),)\ndef peer_mm(x, w):\n    return x.float() @ w.float().T\n"
     )
     peer, note = load_peer(str(src))
     assert note == f"peer: {src} (peer_mm)"
@@ -322,3 +321,17 @@ def test_bench_methods_take_turns_and_keep_each_ones_best_round(monkeypatch):
     assert rows[0]["ours fp32"] == 4.0 and rows[0]["ours bf16"] == 6.0 and rows[0][bench.PEER] == 7.0
     assert rows[1][bench.PEER] is None  # the peer serves M=1 only
     assert len(set(order[:3])) == 3 and order[:3] == order[3:6]  # each once a round, same turns
+
+
+@pytest.mark.parametrize("module", ["vllm_router_ext.audit", "vllm_router_ext.bench"])
+def test_every_option_of_the_commands_explains_itself(module):
+    """Each option and argument has help text, and --help never shows a meaningless default."""
+    import importlib
+
+    parser = importlib.import_module(module).build_parser()
+    for action in parser._actions:
+        if action.dest != "help":
+            assert action.help and len(action.help) > 10, (module, action.dest)
+    text = " ".join(parser.format_help().split())  # unwrapped
+    assert "default: None" not in text and "default: False" not in text
+    assert text.count("(default: ") >= 4

@@ -122,6 +122,35 @@ def test_serve_help_lists_the_flags(tmp_path):
     assert "--router-precision {auto,fp32,bf16-fp32out,bf16}" in p.stdout
     assert "--router-batch-invariant" in p.stdout
     assert "--router-capture DIR" in p.stdout and "--router-capture-tokens N" in p.stdout
+    ours = p.stdout[p.stdout.index("vllm-router-ext:") :].split("When passing JSON")[0]
+    assert "default: None" not in ours  # each flag's help names its real default instead
+    assert "auto (default)" in ours and "default 4096" in ours and "Default: off" in ours
+    assert "Default: no capture" in ours
+
+
+def test_capture_tokens_without_a_capture_directory_warns_once():
+    import argparse
+    import logging
+
+    from vllm_router_ext.cli import add_router_cli_args, apply_router_cli_args
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.vllm_router_ext.cli")
+    logger.addHandler(handler)
+    try:
+        parser = add_router_cli_args(argparse.ArgumentParser())
+        engine_args = argparse.Namespace(additional_config={})
+        apply_router_cli_args(engine_args, parser.parse_args(["--router-capture-tokens", "64"]))
+        assert engine_args.additional_config == {"router_capture_tokens_cli": 64}
+        apply_router_cli_args(engine_args, parser.parse_args([]))  # nothing set: no flag, no warning
+    finally:
+        logger.removeHandler(handler)
+    messages = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert messages == [
+        "vllm-router-ext: --router-capture-tokens 64 does nothing without --router-capture DIR"
+    ]
 
 
 @pytest.mark.vllm

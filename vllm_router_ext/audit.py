@@ -310,21 +310,58 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="vllm-router-audit", description=__doc__.splitlines()[0])
-    p.add_argument("model_dir")
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vllm-router-audit",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument(
+        "model_dir", help="a Hugging Face checkpoint directory (config.json and *.safetensors with the gates)"
+    )
     p.add_argument(
         "--hidden-states",
         default=None,
-        help="[T, K] activations: a safetensors/.pt file, or the directory of a --router-capture",
+        help="[T, K] activations: a safetensors/.pt file, or the directory of a --router-capture "
+        "(default: --tokens random activations)",
     )
-    p.add_argument("--tokens", type=int, default=4096, help="random tokens when no --hidden-states")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--modes", default=",".join(ALL_MODES))
-    p.add_argument("--no-batch-invariant", action="store_true")
-    p.add_argument("--out", default="router-audit")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=4096,
+        help="random tokens when no --hidden-states (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the random activations (default: %(default)s)"
+    )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where each mode's router GEMM runs (default: %(default)s)",
+    )
+    p.add_argument(
+        "--modes",
+        default=",".join(ALL_MODES),
+        help=f"comma-separated modes to compare with fp64, from: {', '.join(ALL_MODES)} (default: all)",
+    )
+    p.add_argument(
+        "--no-batch-invariant",
+        action="store_true",
+        help="skip the batch-invariant run of each mode (default: run it)",
+    )
+    p.add_argument(
+        "--out",
+        default="router-audit",
+        help="directory for audit.json, audit.md and audit.png (default: %(default)s)",
+    )
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (default: shown)"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         result = run_audit(

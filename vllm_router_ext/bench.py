@@ -290,13 +290,33 @@ def plot(rows: list[dict], methods: list[str], path: Path) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="bench-out")
-    p.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
-    p.add_argument("--m", default=",".join(map(str, M_LIST)))
-    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"from: {', '.join(METHODS)}")
-    p.add_argument("--skip-accuracy", action="store_true")
+    p.add_argument(
+        "--out",
+        default="bench-out",
+        help="directory for bench.json, bench.log and the plots (default: %(default)s)",
+    )
+    p.add_argument(
+        "--shapes",
+        default=",".join(s.name for s in SHAPES),
+        help="comma-separated gate shapes, by model name (default: %(default)s)",
+    )
+    p.add_argument(
+        "--m",
+        default=",".join(map(str, M_LIST)),
+        help="comma-separated token counts M (default: %(default)s)",
+    )
+    p.add_argument(
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help=f"comma-separated, from: {', '.join(METHODS)} (default: all)",
+    )
+    p.add_argument(
+        "--skip-accuracy",
+        action="store_true",
+        help="time only: skip the expert-set accuracy table (default: measure it)",
+    )
     p.add_argument(
         "--commit", default=None, help="the code's commit, recorded in bench.json (default: git's)"
     )
@@ -305,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a Python file defining peer_mm(x, w), SHAPES and MS (default: FlashInfer's router GEMMs)",
     )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     names = args.shapes.split(",")
     unknown = [n for n in names if n not in {s.name for s in SHAPES}]

@@ -35,33 +35,38 @@ def add_router_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group = parser.add_argument_group(
         title="vllm-router-ext", description="MoE router GEMM precision (DeepSeek-V2 family)."
     )
+    # No argparse default: an unset flag must stay unset (lower-precedence sources then apply),
+    # and vLLM's help formatter would print "(default: None)"; each help names the real default.
     group.add_argument(
         "--router-precision",
         choices=RouterPrecision.choices(),
-        default=None,
-        help="MoE router GEMM precision: auto (per model), fp32, bf16-fp32out (fast, fp32 logits), "
-        "bf16 (stock vLLM).",
+        default=argparse.SUPPRESS,
+        help="MoE router GEMM precision. auto (default): fp32 for the DeepSeek-V2 family, stock "
+        "vLLM for other models; fp32: fp32 accumulation and logits, never TF32; bf16-fp32out: bf16 "
+        "products, fp32 accumulation and logits; bf16: bf16 logits, as stock vLLM.",
     )
     group.add_argument(
         "--router-capture",
         type=_argparse_check(lambda v: str(check_directory(v, "--router-capture"))),
-        default=None,
+        default=argparse.SUPPRESS,
         metavar="DIR",
         help="Record the first --router-capture-tokens inputs (and logits) of every router gate into "
-        "DIR, for vllm-router-audit --hidden-states DIR. Needs --enforce-eager.",
+        "DIR, for vllm-router-audit --hidden-states DIR. Needs --enforce-eager. Default: no capture.",
     )
     group.add_argument(
         "--router-capture-tokens",
         type=_argparse_check(lambda v: parse_tokens(v, "--router-capture-tokens")),
-        default=None,
+        default=argparse.SUPPRESS,
         metavar="N",
-        help=f"Tokens per gate that --router-capture records (default {DEFAULT_TOKENS}).",
+        help=f"Tokens (rows) per gate that --router-capture records; default {DEFAULT_TOKENS}. Host "
+        "memory: N x hidden size x 2 bytes per gate, plus N x experts x 4 bytes of logits.",
     )
     group.add_argument(
         "--router-batch-invariant",
         action=argparse.BooleanOptionalAction,
-        default=None,
-        help="Make router logits bitwise independent of the batch (also on with VLLM_BATCH_INVARIANT=1).",
+        default=argparse.SUPPRESS,
+        help="Make router logits bitwise independent of the batch. Default: off, or on with "
+        "VLLM_BATCH_INVARIANT=1 (which --no-router-batch-invariant does not override).",
     )
     return parser
 
@@ -89,6 +94,13 @@ def apply_router_cli_args(engine_args: Any, args: argparse.Namespace) -> Any:
         updates[CLI_DIR_KEY] = args.router_capture
     if getattr(args, "router_capture_tokens", None) is not None:
         updates[CLI_TOKENS_KEY] = args.router_capture_tokens
+    if CLI_TOKENS_KEY in updates and CLI_DIR_KEY not in updates:
+        from vllm.logger import init_logger
+
+        init_logger(f"vllm.{__name__}").warning(
+            "vllm-router-ext: --router-capture-tokens %d does nothing without --router-capture DIR",
+            updates[CLI_TOKENS_KEY],
+        )
     if updates:
         extra = engine_args.additional_config
         engine_args.additional_config = {**(extra if isinstance(extra, dict) else {}), **updates}
