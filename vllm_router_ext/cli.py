@@ -35,38 +35,39 @@ def add_router_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group = parser.add_argument_group(
         title="vllm-router-ext", description="MoE router GEMM precision (DeepSeek-V2 family)."
     )
-    # No argparse default: an unset flag must stay unset (lower-precedence sources then apply),
-    # and vLLM's help formatter would print "(default: None)"; each help names the real default.
+    # Defaults stay None (unset: lower-precedence sources apply). Each help names the real default;
+    # its empty "%(default).0s" stops vLLM's help formatter from appending "(default: None)".
     group.add_argument(
         "--router-precision",
         choices=RouterPrecision.choices(),
-        default=argparse.SUPPRESS,
+        default=None,
         help="MoE router GEMM precision. auto (default): fp32 for the DeepSeek-V2 family, stock "
         "vLLM for other models; fp32: fp32 accumulation and logits, never TF32; bf16-fp32out: bf16 "
-        "products, fp32 accumulation and logits; bf16: bf16 logits, as stock vLLM.",
+        "products, fp32 accumulation and logits; bf16: bf16 logits, as stock vLLM.%(default).0s",
     )
     group.add_argument(
         "--router-capture",
         type=_argparse_check(lambda v: str(check_directory(v, "--router-capture"))),
-        default=argparse.SUPPRESS,
+        default=None,
         metavar="DIR",
         help="Record the first --router-capture-tokens inputs (and logits) of every router gate into "
-        "DIR, for vllm-router-audit --hidden-states DIR. Needs --enforce-eager. Default: no capture.",
+        "DIR, for vllm-router-audit --hidden-states DIR. Needs --enforce-eager. "
+        "Default: no capture.%(default).0s",
     )
     group.add_argument(
         "--router-capture-tokens",
         type=_argparse_check(lambda v: parse_tokens(v, "--router-capture-tokens")),
-        default=argparse.SUPPRESS,
+        default=None,
         metavar="N",
         help=f"Tokens (rows) per gate that --router-capture records; default {DEFAULT_TOKENS}. Host "
-        "memory: N x hidden size x 2 bytes per gate, plus N x experts x 4 bytes of logits.",
+        "memory: N x hidden size x 2 bytes per gate, plus N x experts x 4 bytes of logits.%(default).0s",
     )
     group.add_argument(
         "--router-batch-invariant",
         action=argparse.BooleanOptionalAction,
-        default=argparse.SUPPRESS,
+        default=None,
         help="Make router logits bitwise independent of the batch. Default: off, or on with "
-        "VLLM_BATCH_INVARIANT=1 (which --no-router-batch-invariant does not override).",
+        "VLLM_BATCH_INVARIANT=1 (which --no-router-batch-invariant does not override).%(default).0s",
     )
     return parser
 
