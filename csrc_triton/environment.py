@@ -5,8 +5,10 @@
 - ``VLLM_BATCH_INVARIANT`` (vLLM's own): ``1`` turns batch invariance on; default ``0``. Read when
   a model is built.
 - ``VLLM_ROUTER_CAPTURE_DIR`` / ``VLLM_ROUTER_CAPTURE_TOKENS``: record the gates' inputs into that
-  directory, that many tokens per gate (default 4096); unset = no capture. Read when a model is
-  built.
+  directory, that many tokens per gate (default 4096); unset = no capture.
+  ``VLLM_ROUTER_CAPTURE_MEMORY_LIMIT_GIB``: the most host memory a capture may need (default a
+  quarter of the host's); ``VLLM_ROUTER_CAPTURE_CHUNK_TOKENS``: rows per gate in each chunk file
+  (default: about 64 MiB a chunk). Read when a model is built.
 - ``VLLM_ROUTER_EXT_TABLE``: the tuned kernel table: ``none`` (the heuristic), a shipped table's
   name (``nvidia_h200``) or a JSON path; unset = the GPU's own table. Read once per process.
 - ``VLLM_ROUTER_EXT_PDL``: ``0`` launches the K-split sums plainly instead of with programmatic
@@ -26,6 +28,8 @@ PRECISION = "VLLM_ROUTER_PRECISION"
 BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"
 CAPTURE_DIR = "VLLM_ROUTER_CAPTURE_DIR"
 CAPTURE_TOKENS = "VLLM_ROUTER_CAPTURE_TOKENS"
+CAPTURE_MEMORY_LIMIT = "VLLM_ROUTER_CAPTURE_MEMORY_LIMIT_GIB"
+CAPTURE_CHUNK_TOKENS = "VLLM_ROUTER_CAPTURE_CHUNK_TOKENS"
 TABLE = "VLLM_ROUTER_EXT_TABLE"
 PDL = "VLLM_ROUTER_EXT_PDL"
 INTERPRET = "TRITON_INTERPRET"
@@ -45,7 +49,8 @@ def batch_invariant() -> bool:
 
 def capture() -> dict[str, str]:
     """The capture variables that are set ({name: value})."""
-    return {name: os.environ[name] for name in (CAPTURE_DIR, CAPTURE_TOKENS) if name in os.environ}
+    names = (CAPTURE_DIR, CAPTURE_TOKENS, CAPTURE_MEMORY_LIMIT, CAPTURE_CHUNK_TOKENS)
+    return {name: os.environ[name] for name in names if name in os.environ}
 
 
 @functools.cache

@@ -38,7 +38,9 @@ def test_cli_on_the_tiny_checkpoint(tiny_model, tmp_path):
         timeout=300,
     )
     assert p.returncode == 0, p.stderr
-    assert "overall (mean over layers)" in p.stdout and "auditing router layers" in p.stderr  # progress bar
+    assert "overall (mean over 1 MoE layer):" in p.stdout
+    assert "auditing router layers" in p.stderr  # the progress bar
+    assert (out / "audit.md").read_text(encoding="utf-8").strip() in p.stdout
     result = json.loads((out / "audit.json").read_text(encoding="utf-8"))
     assert list(result["layers"]) == ["1"] and list(result["overall"]) == LABELS
     assert result["tokens"] == 512
@@ -75,7 +77,7 @@ def test_without_matplotlib_the_tables_and_json_still_come(tiny_model, tmp_path)
     ]
     p = subprocess.run([*cmd, "--no-progress"], capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
-    assert "| all | bf16-fp32out batch-invariant |" in p.stdout
+    assert "\n| bf16-fp32out batch-invariant |" in p.stdout
     assert json.loads((out / "audit.json").read_text(encoding="utf-8"))["tokens"] == 64
     assert not (out / "audit.png").exists()
     assert p.stdout.rstrip().endswith(PLOT_MISSING)
@@ -99,7 +101,7 @@ def test_console_script_runs_on_the_tiny_checkpoint(tiny_model, tmp_path):
         timeout=300,
     )
     assert p.returncode == 0, p.stderr
-    assert "| all | bf16 |" in p.stdout and (tmp_path / "audit.json").exists()
+    assert "\n| bf16 |" in p.stdout and (tmp_path / "audit.json").exists()
 
 
 def test_near_tied_gate_flips_exactly_the_known_tokens_in_bf16_only(tmp_path):
@@ -175,3 +177,54 @@ def test_cli_error_exit_code_and_message(tmp_path):
         timeout=120,
     )
     assert p.returncode == 2 and "vllm-router-audit: error:" in p.stderr and "Traceback" not in p.stderr
+
+
+def _result(layers: list[int], pct: float) -> dict:
+    row = {"rel_err": 1e-3, "changed_pct": pct, "changed_tokens": 1, "dw_mean": 0.0, "dw_p99": 0.0}
+    per_layer = {str(i): {"fp32": {**row, "changed_pct": 0.0}, "bf16": row} for i in layers}
+    return {
+        "model": "/m/tiny",
+        "tokens": 64,
+        "device": "cpu",
+        "layers": per_layer,
+        "overall": {"fp32": {**row, "changed_pct": 0.0}, "bf16": row},
+    }
+
+
+def test_tables_are_headed_by_what_each_column_holds():
+    from vllm_router_ext.audit import format_tables
+
+    text = format_tables(_result([3, 4], 0.5))
+    per_layer, overall = text.split("overall (mean over 2 MoE layers):")
+    assert "| MoE layer | mode | rel err vs fp64 | changed expert sets |" in per_layer
+    assert "| 3 | bf16 | 1.00e-03 | 0.500 % |" in per_layer
+    header = overall.strip().splitlines()[0]
+    assert header.startswith("| mode | rel err vs fp64 |") and "all" not in text.replace("overall", "")
+    assert "| bf16 | 1.00e-03 | 0.500 % |" in overall
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("matplotlib"), reason="needs the plot extra (matplotlib)")
+@pytest.mark.parametrize(("layers", "pct"), [([1], 0.0), (list(range(3, 64)), 2.5)])
+def test_the_plot_has_integer_layer_ticks_and_a_y_axis_from_zero(tmp_path, layers, pct):
+    """One MoE layer with nothing changed, and DeepSeek-V3's 61 layers: ticks are whole layer
+    numbers within the layers' range, the y axis starts at 0 % and shows the largest value."""
+    from vllm_router_ext.audit import figure, plot
+    from vllm_router_ext.plotting import pyplot
+
+    assert plot(_result(layers, pct), tmp_path / "audit.png")
+    assert (tmp_path / "audit.png").stat().st_size > 1000
+    plt = pyplot()
+    fig = figure(_result(layers, pct), plt)
+    ax = fig.axes[0]
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    assert min(layers) - 1 < min(ticks) and max(ticks) < max(layers) + 1
+    assert ax.get_xlim() == (min(layers) - 0.5, max(layers) + 0.5)
+    low, high = ax.get_ylim()
+    assert low == 0 and high >= max(pct, 0.5)
+    assert [t.get_text() for t in ax.get_yticklabels()][0].startswith("0")
+    if len(layers) == 1:
+        assert list(ticks) == [1]
+    else:
+        assert 5 <= len(ticks) <= 21
+    plt.close(fig)

@@ -11,12 +11,20 @@ import pytest
 import torch
 
 from vllm_router_ext.capture import (
+    BUDGET_REACHED,
     DEFAULT_TOKENS,
+    ENGINE_STOPPED,
+    STOPPED,
     CaptureError,
     CaptureSettings,
     GateCapture,
+    GateShape,
+    check_budget,
+    describe_capture,
     next_run,
+    read_capture,
     resolve_capture,
+    trim_unfinished,
 )
 
 
@@ -27,8 +35,12 @@ def test_sources_resolve_in_precedence_order_with_the_default_budget(tmp_path):
         "router_capture_dir": str(extra),
         "router_capture_tokens": 9,
     }
-    got = resolve_capture(config, env={"VLLM_ROUTER_CAPTURE_DIR": str(env)})
-    assert got == CaptureSettings(cli, DEFAULT_TOKENS, "--router-capture") and cli.is_dir()
+    got = resolve_capture(
+        config, env={"VLLM_ROUTER_CAPTURE_DIR": str(env), "VLLM_ROUTER_CAPTURE_TOKENS": "5"}
+    )
+    assert got == CaptureSettings(cli, 9, "--router-capture") and cli.is_dir()  # each setting: first set
+    got = resolve_capture({"router_capture_dir_cli": str(cli)}, env={})
+    assert got == CaptureSettings(cli, DEFAULT_TOKENS, "--router-capture")
     got = resolve_capture({"router_capture_dir": str(extra), "router_capture_tokens": "9"}, env={})
     assert got.directory == extra and got.tokens == 9
     got = resolve_capture({}, env={"VLLM_ROUTER_CAPTURE_DIR": str(env), "VLLM_ROUTER_CAPTURE_TOKENS": "5"})
@@ -92,48 +104,181 @@ def test_capture_needs_eager_mode_and_skips_drafts(tmp_path):
         _capture_settings(config(False), "DeepseekV3ForCausalLM")
 
 
-def _recorder(tmp_path: Path, tokens: int, monkeypatch) -> GateCapture:
+def _recorder(tmp_path: Path, tokens: int, monkeypatch, hidden: int = 8) -> GateCapture:
     import vllm_router_ext.capture as c
 
     monkeypatch.setattr(c, "_serving_pass", lambda: True)
     settings = CaptureSettings(tmp_path, tokens, "test")
-    gates = ["model.layers.1.mlp.gate", "model.layers.2.mlp.gate"]
+    gates = [GateShape(layer, hidden, 3, torch.bfloat16) for layer in (1, 2)]
     return GateCapture(settings, gates, f"router-capture-{next_run(tmp_path)}-dp0", {"run": 1})
 
 
-def test_the_recorder_keeps_the_first_rows_of_each_gate_and_writes_once(tmp_path, gen, monkeypatch):
+def _pass(rec: GateCapture, x: torch.Tensor, layers=(1, 2)) -> None:
+    """One forward pass: every gate (in layer order) sees ``x``."""
+    for layer in layers:
+        rec.record(layer, x, x.float() @ torch.ones(x.shape[1], 3))
+
+
+def test_the_recorder_keeps_the_first_rows_of_each_gate_and_trims_at_the_budget(tmp_path, gen, monkeypatch):
     from safetensors.torch import load_file
 
     rec = _recorder(tmp_path, 10, monkeypatch)
     xs = [torch.randn(m, 8, generator=gen).to(torch.bfloat16) for m in (4, 3, 6, 2)]
     for x in xs:
-        rec.record(1, x, x.float() @ torch.ones(8, 3))
-    assert not rec.path.exists()  # layer 2 still empty
-    rec.record(2, torch.cat(xs), torch.cat(xs).float() @ torch.ones(8, 3))
+        _pass(rec, x)
     data = load_file(str(rec.path))
-    assert torch.equal(data["layers.1"], torch.cat(xs)[:10]) and torch.equal(
-        data["layers.2"], torch.cat(xs)[:10]
-    )
-    assert data["logits.1"].dtype == torch.float32 and data["logits.1"].shape == (10, 3)
+    assert set(data) == {"layers.1", "logits.1", "layers.2", "logits.2"}
+    for layer in (1, 2):
+        assert torch.equal(data[f"layers.{layer}"], torch.cat(xs)[:10])
+        assert torch.equal(data[f"logits.{layer}"], torch.cat(xs)[:10].float() @ torch.ones(8, 3))
+    assert data["logits.1"].dtype == torch.float32
     meta = json.loads(rec.path.with_suffix(".json").read_text(encoding="utf-8"))
-    assert meta == {"run": 1, "tokens_per_layer": 10, "layers": [1, 2]}
-    rec.record(1, xs[0], xs[0].float() @ torch.ones(8, 3))  # past the budget: nothing more
+    assert meta == {
+        "run": 1,
+        "budget_tokens": 10,
+        "layers": [1, 2],
+        "rows_per_layer": {"1": 10, "2": 10},
+        "complete": True,
+        "ended": BUDGET_REACHED,
+        "trimmed": True,
+    }
+    _pass(rec, xs[0])  # past the budget: nothing more
+    assert torch.equal(load_file(str(rec.path))["layers.1"], data["layers.1"])
     assert next_run(tmp_path) == 2  # the next server numbers its capture after this one
 
 
+def test_rows_are_on_disk_after_every_pass_and_a_kill_loses_at_most_the_pass_in_flight(
+    tmp_path, gen, monkeypatch
+):
+    """A process killed outright never closes its recorder: what is on disk then is all there is."""
+    from vllm_router_ext.audit import load_hidden_states
+
+    rec = _recorder(tmp_path, 1000, monkeypatch)
+    xs = [torch.randn(m, 8, generator=gen).to(torch.bfloat16) for m in (5, 1, 1)]
+    _pass(rec, xs[0])
+    _pass(rec, xs[1])
+    _pass(rec, xs[2], layers=(1,))  # killed mid-pass: layer 2 never ran
+    read = read_capture(tmp_path, "router-capture-1-dp0")
+    for layer in (1, 2):  # the two finished passes
+        assert torch.equal(read.tensors[f"layers.{layer}"], torch.cat(xs[:2]))
+    assert read.info["complete"] is False and read.info["rows_per_layer"] == {"1": 6, "2": 6}
+    assert "interrupted" in read.info["ended"]
+    data, info = load_hidden_states(tmp_path, 8)  # what the audit reads: the same rows
+    assert torch.equal(data[1], torch.cat(xs[:2])) and info == read.info
+    assert "PARTIAL, 6 tokens per layer of a 1000-token budget (interrupted" in describe_capture(info)
+
+
+def test_close_trims_the_file_to_the_rows_seen_and_says_so(tmp_path, gen, monkeypatch, caplog):
+    from safetensors.torch import load_file
+
+    rec = _recorder(tmp_path, 4096, monkeypatch, hidden=64)
+    xs = [torch.randn(m, 64, generator=gen).to(torch.bfloat16) for m in (7, 1, 1)]
+    for x in xs:
+        _pass(rec, x)
+    with caplog.at_level("INFO"):
+        rec.close()
+        rec.close()  # idempotent
+    data = load_file(str(rec.path))
+    assert torch.equal(data["layers.2"], torch.cat(xs)) and data["logits.2"].shape == (9, 3)
+    assert rec.path.stat().st_size < 9 * 2 * (64 * 2 + 12) + 1024  # trimmed, not the 4096-row layout
+    meta = json.loads(rec.path.with_suffix(".json").read_text(encoding="utf-8"))
+    assert (
+        meta["complete"] is False and meta["ended"] == STOPPED and meta["rows_per_layer"] == {"1": 9, "2": 9}
+    )
+    lines = [r.getMessage() for r in caplog.records if "wrote the router capture" in r.getMessage()]
+    assert lines == [
+        f"vllm-router-ext: wrote the router capture {rec.path} (9 tokens x 2 layers, partial, budget "
+        f"4096: {STOPPED})"
+    ]
+
+
+def test_a_garbage_collected_model_writes_its_capture(tmp_path, gen, monkeypatch):
+    import gc
+    from multiprocessing.util import Finalize
+
+    rec = _recorder(tmp_path, 100, monkeypatch)
+    model = torch.nn.Module()
+    Finalize(model, rec.close, exitpriority=100)  # as the model's capture is attached
+    _pass(rec, torch.randn(3, 8, generator=gen).to(torch.bfloat16))
+    del model
+    gc.collect()
+    meta = json.loads(rec.path.with_suffix(".json").read_text(encoding="utf-8"))
+    assert meta["trimmed"] and meta["rows_per_layer"] == {"1": 3, "2": 3} and meta["ended"] == STOPPED
+
+
+def test_the_process_that_started_the_engine_finishes_what_workers_left(tmp_path, gen, monkeypatch, caplog):
+    """vLLM kills its workers at a stop: the engine's starting process trims their captures at exit,
+    those of earlier runs left alone."""
+    old = _recorder(tmp_path, 100, monkeypatch)
+    _pass(old, torch.randn(2, 8, generator=gen).to(torch.bfloat16))
+    rec = _recorder(tmp_path, 100, monkeypatch)
+    assert rec.path.name == "router-capture-2-dp0.safetensors"
+    _pass(rec, torch.randn(3, 8, generator=gen).to(torch.bfloat16))
+    with caplog.at_level("INFO"):
+        trim_unfinished(tmp_path, first_run=2)
+    meta = json.loads(rec.path.with_suffix(".json").read_text(encoding="utf-8"))
+    assert meta["trimmed"] and meta["ended"] == ENGINE_STOPPED and meta["rows_per_layer"]["1"] == 3
+    assert f"wrote the router capture {rec.path} (3 tokens x 2 layers, partial" in caplog.text
+    assert not json.loads(old.path.with_suffix(".json").read_text(encoding="utf-8"))["trimmed"]
+
+
+def test_the_budget_is_computed_and_refused_above_the_limit(tmp_path, monkeypatch):
+    import vllm_router_ext.capture as c
+
+    # DeepSeek-V3: 58 MoE gates, hidden 7168 (bf16), 256 experts (fp32 logits)
+    gates = [GateShape(layer, 7168, 256, torch.bfloat16) for layer in range(3, 61)]
+    per_token = 58 * (7168 * 2 + 256 * 4)
+    assert check_budget(CaptureSettings(tmp_path, 4096, "t", memory_limit_gib=64), gates) == 4096 * per_token
+    monkeypatch.setattr(c, "host_memory_bytes", lambda: 64 << 30)
+    with pytest.raises(CaptureError) as e:
+        check_budget(CaptureSettings(tmp_path, 2_000_000_000, "--router-capture"), gates)
+    message = str(e.value)
+    assert "router capture budget 2000000000 tokens (from --router-capture) needs" in message
+    assert f"{per_token} bytes per token" in message and "58 gate(s)" in message
+    assert "above the memory limit of 16.00 GiB (25% of this host's 64.00 GiB" in message
+    assert "--router-capture-memory-limit GIB" in message
+    settings = CaptureSettings(tmp_path, 20_000, "t", memory_limit_gib=32.0, memory_limit_source="flag")
+    assert check_budget(settings, gates) == 20_000 * per_token  # 16.5 GiB: allowed by the override
+    monkeypatch.setattr(c.shutil, "disk_usage", lambda p: SimpleNamespace(free=1 << 30))
+    with pytest.raises(CaptureError, match=r"above the 1.00 GiB free in"):
+        check_budget(settings, gates)
+
+
+def test_the_memory_limit_resolves_from_its_sources_and_bad_values_are_named(tmp_path):
+    got = resolve_capture(
+        {"router_capture_dir": str(tmp_path), "router_capture_memory_limit_gib": "2.5"}, env={}
+    )
+    assert (
+        got.memory_limit_gib == 2.5
+        and got.memory_limit_source == "additional_config['router_capture_memory_limit_gib']"
+    )
+    got = resolve_capture(
+        {}, env={"VLLM_ROUTER_CAPTURE_DIR": str(tmp_path), "VLLM_ROUTER_CAPTURE_MEMORY_LIMIT_GIB": "1"}
+    )
+    assert got.memory_limit_gib == 1.0 and got.memory_limit_source.startswith("environment variable")
+    assert resolve_capture({"router_capture_dir": str(tmp_path)}, env={}).memory_limit_gib is None
+    with pytest.raises(
+        CaptureError,
+        match=r"invalid router capture memory limit '-1' from .*allowed: a positive number of GiB",
+    ):
+        resolve_capture(
+            {"router_capture_dir": str(tmp_path), "router_capture_memory_limit_gib": "-1"}, env={}
+        )
+
+
 def test_a_failed_write_is_logged_and_serving_goes_on(tmp_path, monkeypatch, caplog):
-    import safetensors.torch
+    import vllm_router_ext.capture as c
+
+    rec = _recorder(tmp_path, 2, monkeypatch, hidden=4)
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
-    rec = _recorder(tmp_path, 2, monkeypatch)
+    monkeypatch.setattr(c, "trim_capture", disk_full)
     with caplog.at_level("ERROR"):
-        for layer in (1, 2):
-            rec.record(layer, torch.ones(3, 4), torch.ones(3, 2))
+        _pass(rec, torch.ones(3, 4, dtype=torch.bfloat16))
     assert "could not write the router capture" in caplog.text and "No space left on device" in caplog.text
-    assert rec.done and not rec.path.exists()
+    assert rec.done
 
 
 def test_a_recorder_that_fails_leaves_the_gate_serving(vllm_dist, gen, caplog):
@@ -173,7 +318,9 @@ def test_the_audit_reads_a_capture_directory_and_names_ambiguity(tiny_model, tmp
     result = run_audit(tiny_model, hidden_states=tmp_path, device="cpu", progress=False)
     assert result["tokens"] == 12 and list(result["layers"]) == ["1"]
     save_file({"layers.1": x}, str(tmp_path / "router-capture-2-dp0.safetensors"))
-    with pytest.raises(AuditError, match="2 router captures .*router-capture-1-dp0.safetensors.*pass"):
+    with pytest.raises(
+        AuditError, match="2 router captures .*router-capture-1-dp0, router-capture-2-dp0.*pass"
+    ):
         run_audit(tiny_model, hidden_states=tmp_path, device="cpu", progress=False)
 
 
@@ -197,6 +344,7 @@ def test_each_data_parallel_engine_core_writes_its_own_numbered_file(vllm_dist, 
         model_config=SimpleNamespace(model="m"),
         parallel_config=SimpleNamespace(data_parallel_rank=1, tensor_parallel_size=1),
     )
+    config.model_config.dtype = torch.bfloat16
     _attach_capture(model, config, settings, CaptureSettings(tmp_path, 2, "t"))
     recorder = model.gate.router_capture
     assert recorder.path == tmp_path / "router-capture-2-dp1.safetensors"
@@ -204,4 +352,4 @@ def test_each_data_parallel_engine_core_writes_its_own_numbered_file(vllm_dist, 
     monkeypatch.setattr(c, "_serving_pass", lambda: True)
     model.gate.weight_loader(model.gate.weight, torch.randn(4, 32, generator=gen).to(torch.bfloat16))
     model.gate(torch.randn(3, 32, generator=gen).to(torch.bfloat16))
-    assert recorder.path.exists()
+    assert recorder.done and json.loads(recorder.path.with_suffix(".json").read_text())["complete"]

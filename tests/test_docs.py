@@ -22,10 +22,10 @@ EXERCISED = {
     "bash scripts/setup_cpu_env.sh": "CI: .ci/run -> scripts/test.sh runs it first",
     "vllm serve --help=vllm-router-ext": "tests/test_vllm_serve.py::test_serve_help_lists_the_flags",
     "vllm-router-audit MODEL_DIR --hidden-states capture/": (
-        "tests/test_vllm_serve.py::test_serve_with_router_capture_then_audit_the_capture"
+        "tests/test_vllm_serve.py::test_sigterm_writes_the_capture_the_server_holds_then_the_audit_reads_it"
     ),
     "vllm serve MODEL_DIR --enforce-eager --router-capture": (
-        "tests/test_vllm_serve.py::test_serve_with_router_capture_then_audit_the_capture"
+        "tests/test_vllm_serve.py::test_sigterm_writes_the_capture_the_server_holds_then_the_audit_reads_it"
     ),
     "vllm-router-audit ": "tests/test_audit.py::test_console_script_runs_on_the_tiny_checkpoint",
     "python -m vllm_router_ext.audit ": "tests/test_audit.py::test_cli_on_the_tiny_checkpoint",
@@ -79,3 +79,13 @@ def test_docs_pages_exist_and_link():
     for page in DOCS.glob("*.md"):
         for target in re.findall(r"\]\(([^)#:]+\.(?:md|png))\)", page.read_text(encoding="utf-8")):
             assert (DOCS / target).exists(), f"{page.name} links to missing {target}"
+
+
+def test_the_quoted_help_is_the_current_help(monkeypatch):
+    """docs/audit.md and docs/benchmarks.md quote each command's ``--help`` (at 100 columns)."""
+    from vllm_router_ext import audit, bench
+
+    monkeypatch.setenv("COLUMNS", "100")
+    for page, parser in (("audit.md", audit.build_parser()), ("benchmarks.md", bench.build_parser())):
+        text = (DOCS / page).read_text(encoding="utf-8")
+        assert f"```text\n{parser.format_help().rstrip()}\n```" in text, f"{page}: --help differs"

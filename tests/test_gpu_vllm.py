@@ -130,9 +130,8 @@ class Servers:
                 "--max-num-seqs", "64", *spec.args,
             ]  # fmt: skip
             if name == "v3-capture":
-                args += ["--router-capture", str(work / "capture"), "--router-capture-tokens", "24"]
-            else:
-                args += ["--worker-extension-cls", TAP]
+                args += ["--router-capture", str(work / "capture"), "--router-capture-tokens", "4096"]
+            args += ["--worker-extension-cls", TAP]
             env = {"VLLM_SERVER_DEV_MODE": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", **spec.env}
             self.servers[name] = start_server(self.models[name], work, *args, env=env, eager=spec.eager)
         with cf.ThreadPoolExecutor(len(names) or 1) as pool:
@@ -270,23 +269,33 @@ def test_batch_invariant_tokens_equal_alone_and_in_batches(servers, spec):
 
 
 @pytest.mark.parametrize("spec", ["v3-capture"])
-def test_capture_on_the_gpu_server_and_the_audit_reads_it(servers, spec):
+def test_capture_on_the_gpu_server_is_kept_at_sigterm_and_the_audit_reads_it(servers, spec, tmp_path):
+    """Three completions against a 4096-token budget, then SIGTERM to ``vllm serve``: the capture
+    holds exactly the rows the gates saw (the tap), logits match fp64, the audit says partial."""
+    import signal
+
     from safetensors.torch import load_file
 
     server = servers.get(spec)
     capture = server.log_path.parent / "capture"
     path = capture / "router-capture-1-dp0.safetensors"
-    for i in range(40):
-        _complete(server, f"def f{i}(x):\n    return", max_tokens=4)
-        if path.with_suffix(".json").exists():
-            break
-    assert path.with_suffix(".json").exists(), server.log()[-3000:]
+    seen = _tap(server, tmp_path, lambda: [_complete(server, f"def f{i}(x):\n    return", 4) for i in range(3)])
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(120) == 0
+    wrote = [ln for ln in server.log().splitlines() if "wrote the router capture" in ln]
+    assert len(wrote) == 1 and "partial, budget 4096" in wrote[0], server.log()[-3000:]
     data = load_file(str(path))
+    meta = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
     weights = load_file(str(servers.models[spec] / "model.safetensors"))
-    for key in [k for k in data if k.startswith("layers.")]:
-        layer = key.split(".")[1]
+    layers = [k.split(".")[1] for k in data if k.startswith("layers.")]
+    assert layers and meta["complete"] is False and meta["trimmed"]
+    for layer in layers:
+        tapped = seen[f"target:model.layers.{layer}.mlp.gate"]
+        assert meta["rows_per_layer"][layer] == tapped["rows_seen"] > 0
+        assert torch.equal(data[f"layers.{layer}"], tapped["x"].to(data[f"layers.{layer}"].dtype))
+        assert torch.equal(data[f"logits.{layer}"], tapped["logits"])
         w = weights[f"model.layers.{layer}.mlp.gate.weight"]
-        assert relative_error(data[f"logits.{layer}"], reference_logits(data[key], w)) <= 1e-5
+        assert relative_error(data[f"logits.{layer}"], reference_logits(data[f"layers.{layer}"], w)) <= 1e-5
     out = server.log_path.parent / "audit"
     cmd = [
         sys.executable,
@@ -300,8 +309,9 @@ def test_capture_on_the_gpu_server_and_the_audit_reads_it(servers, spec):
         [*cmd, "--out", str(out), "--no-progress"], capture_output=True, text=True, timeout=300
     )
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "capture router-capture-1-dp0: PARTIAL" in p.stdout
     result = json.loads((out / "audit.json").read_text(encoding="utf-8"))
-    assert result["tokens"] == 24 and result["overall"]["fp32"]["rel_err"] <= 1e-6
+    assert result["capture"]["complete"] is False and result["overall"]["fp32"]["rel_err"] <= 1e-6
 
 
 def _stream(server: Server, prompt: str) -> int:

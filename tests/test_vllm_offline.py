@@ -155,7 +155,7 @@ def test_tensor_parallel_2_both_ranks_use_the_resolved_precision(tiny_model, run
         "router-capture-1-dp0.safetensors",
     ]
     meta = json.loads((capture / "router-capture-1-dp0.json").read_text(encoding="utf-8"))
-    assert meta["tensor_parallel_size"] == 2 and meta["tokens_per_layer"] == 8
+    assert meta["tensor_parallel_size"] == 2 and meta["rows_per_layer"] == {"1": 8} and meta["complete"]
     assert len(result["gates"]) == 2
     for rank_gates in result["gates"]:
         assert [g["precision"] for g in rank_gates] == ["fp32"]
@@ -175,6 +175,21 @@ def test_the_capture_holds_exactly_what_a_hook_on_the_gate_saw(tiny_model, run_o
     x = torch.cat([r["x"] for r in seen])[:16]
     logits = torch.cat([r["logits"] for r in seen])[:16]
     assert torch.equal(data["layers.1"], x) and torch.equal(data["logits.1"], logits)
+
+
+def test_an_offline_run_that_ends_before_the_budget_keeps_every_row(tiny_model, run_offline, tmp_path):
+    """The LLM is shut down (its worker killed) long before 100 000 tokens: every row the gate saw
+    is in the capture, which says it is partial."""
+    from vllm_router_ext.capture import read_capture
+
+    capture = tmp_path / "capture"
+    extra = {"router_capture_dir": str(capture), "router_capture_tokens": 100_000}
+    result = run_offline(tiny_model, additional_config=extra)
+    read = read_capture(capture, "router-capture-1-dp0")
+    seen = [r for r in result["records"] if r["kind"] == "gate" and r["name"] == "model.layers.1.mlp.gate"]
+    assert torch.equal(read.tensors["layers.1"], torch.cat([r["x"] for r in seen]))
+    assert torch.equal(read.tensors["logits.1"], torch.cat([r["logits"] for r in seen]))
+    assert read.info["complete"] is False and read.info["budget_tokens"] == 100_000
 
 
 def test_batch_invariant_request_reaches_gates_and_passes_the_startup_check(tiny_model, run_offline):

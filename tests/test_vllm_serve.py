@@ -31,52 +31,110 @@ def test_serve_with_router_precision_answers_completions(tiny_model, tmp_path, m
     assert "'router_precision': 'bf16-fp32out'" in log  # vLLM's logged non-default args
 
 
-@pytest.mark.vllm
-def test_serve_with_router_capture_then_audit_the_capture(tiny_model, tmp_path):
-    """The loop the audit page shows: serve with a capture, send traffic, audit what was captured."""
+TAP = ("--worker-extension-cls", "vllm_router_ext.testing.gate_tap.GateTap")  # what each gate saw
+
+
+def _serve_capturing(tiny_model, tmp_path, budget: int, env: dict | None = None):
+    capture = tmp_path / "capture"
+    server = serve(
+        tiny_model,
+        tmp_path,
+        "--router-capture",
+        str(capture),
+        "--router-capture-tokens",
+        str(budget),
+        *TAP,
+        env={"VLLM_SERVER_DEV_MODE": "1", **(env or {})},
+    )
+    server.rpc("router_tap_start")
+    return server, capture / "router-capture-1-dp0.safetensors"
+
+
+def _tapped(server, tmp_path):
+    server.rpc("router_tap_dump", str(tmp_path / "tap.pt"))
+    return torch.load(tmp_path / "tap.pt")["target:model.layers.1.mlp.gate"]
+
+
+def _audit(tiny_model, capture, out):
     import json
     import sys
-    import time
 
-    from safetensors.torch import load_file
-
-    from vllm_router_ext.ops.reference import reference_logits, relative_error
-
-    capture = tmp_path / "capture"
-    server = serve(tiny_model, tmp_path, "--router-capture", str(capture), "--router-capture-tokens", "24")
-    path = capture / "router-capture-1-dp0.safetensors"
-    try:
-        for i in range(40):  # bounded: a few prompts suffice
-            server.complete(f"def f{i}(x):\n    return", max_tokens=4)
-            if path.exists():
-                break
-        deadline = time.monotonic() + 30
-        while not path.with_suffix(".json").exists() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        server.complete("still serving", max_tokens=2)
-    finally:
-        server.stop()
-    log = server.log()
-    assert (
-        f"capturing 24 tokens of 1 gate(s) into {path}" in log and f"wrote the router capture {path}" in log
-    )
-    data = load_file(str(path))
-    assert set(data) == {"layers.1", "logits.1"}
-    x, logits = data["layers.1"], data["logits.1"]
-    assert x.shape == (24, 256) and x.dtype == torch.bfloat16 and logits.shape == (24, 16)
-    meta = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
-    assert meta["precision"] == "fp32" and meta["tokens_per_layer"] == 24 and meta["layers"] == [1]
-    assert meta["data_parallel_rank"] == 0 and meta["tensor_parallel_size"] == 1 and meta["vllm"]
-    w = load_file(str(tiny_model / "model.safetensors"))["model.layers.1.mlp.gate.weight"]
-    assert relative_error(logits, reference_logits(x, w)) <= 1e-6  # what the op returned, vs fp64
-    out = tmp_path / "audit"
     cmd = [sys.executable, "-m", "vllm_router_ext.audit", str(tiny_model), "--hidden-states", str(capture)]
     p = subprocess.run(
         [*cmd, "--out", str(out), "--no-progress"], capture_output=True, text=True, timeout=300
     )
     assert p.returncode == 0, p.stderr
-    result = json.loads((out / "audit.json").read_text(encoding="utf-8"))
-    assert result["tokens"] == 24 and result["overall"]["fp32"]["rel_err"] <= 1e-6
+    return p.stdout, json.loads((out / "audit.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.vllm
+def test_sigterm_writes_the_capture_the_server_holds_then_the_audit_reads_it(tiny_model, tmp_path):
+    """The loop the audit page shows, stopped the usual way: serve with a capture whose budget the
+    traffic does not reach, three completions, SIGTERM to ``vllm serve``: the file holds exactly
+    the rows the gate saw (a tap inside the served model), one line says what was written where,
+    and the audit reads it as a partial capture."""
+    import json
+    import signal
+
+    from safetensors.torch import load_file
+
+    from vllm_router_ext.ops.reference import reference_logits, relative_error
+
+    server, path = _serve_capturing(tiny_model, tmp_path, 4096)
+    try:
+        for i in range(3):
+            server.complete(f"def f{i}(x):\n    return", max_tokens=4)
+        seen = _tapped(server, tmp_path)
+        server.proc.send_signal(signal.SIGTERM)  # the main process only, as `kill PID` does
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
+    log = server.log()
+    assert f"capturing 4096 tokens of 1 gate(s) into {path} (from --router-capture)" in log
+    rows = seen["rows_seen"]
+    wrote = [ln for ln in log.splitlines() if "wrote the router capture" in ln]
+    assert len(wrote) == 1 and f"{path} ({rows} tokens x 1 layers, partial, budget 4096" in wrote[0]
+    data = load_file(str(path))
+    assert set(data) == {"layers.1", "logits.1"} and data["layers.1"].dtype == torch.bfloat16
+    assert torch.equal(data["layers.1"], seen["x"]) and torch.equal(data["logits.1"], seen["logits"])
+    meta = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
+    assert meta["rows_per_layer"] == {"1": rows} and meta["complete"] is False and meta["trimmed"]
+    assert meta["precision"] == "fp32" and meta["data_parallel_rank"] == 0 and meta["vllm"]
+    w = load_file(str(tiny_model / "model.safetensors"))["model.layers.1.mlp.gate.weight"]
+    assert relative_error(data["logits.1"], reference_logits(data["layers.1"], w)) <= 1e-6
+    stdout, result = _audit(tiny_model, path.parent, tmp_path / "audit")
+    assert f"capture router-capture-1-dp0: PARTIAL, {rows} tokens per layer of a 4096-token budget" in stdout
+    assert result["tokens"] == rows and result["capture"]["complete"] is False
+    assert result["overall"]["fp32"]["rel_err"] <= 1e-6
+
+
+@pytest.mark.vllm
+def test_a_killed_server_keeps_every_finished_pass_of_its_capture(tiny_model, tmp_path):
+    """SIGKILL to the whole server (no process gets to clean up) after some passes: what is on
+    disk reads back as the rows the gate saw, less at most the pass in flight."""
+    import os
+    import signal
+
+    from vllm_router_ext.capture import read_capture
+
+    server, path = _serve_capturing(tiny_model, tmp_path, 4096)
+    try:
+        for i in range(2):
+            server.complete(f"class C{i}:", max_tokens=3)
+        seen = _tapped(server, tmp_path)
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(30)
+    finally:
+        server.stop()
+    read = read_capture(path.parent, "router-capture-1-dp0")
+    rows = read.info["rows_per_layer"]["1"]
+    assert rows == seen["rows_seen"] >= 2 * 3  # two prompts' prefill and decode; nothing in flight
+    assert torch.equal(read.tensors["layers.1"], seen["x"]) and torch.equal(
+        read.tensors["logits.1"], seen["logits"]
+    )
+    assert read.info["complete"] is False and "interrupted" in read.info["ended"]
+    stdout, result = _audit(tiny_model, path.parent, tmp_path / "audit")
+    assert "PARTIAL" in stdout and result["tokens"] == rows
 
 
 @pytest.mark.vllm
@@ -126,6 +184,7 @@ def test_serve_help_lists_the_flags(tmp_path):
     assert "default: None" not in ours  # each flag's help names its real default instead
     assert "auto (default)" in ours and "default 4096" in ours and "Default: off" in ours
     assert "Default: no capture" in ours
+    assert "--router-capture-memory-limit GIB" in ours and "Default: 25% of the host's memory" in ours
 
 
 def test_capture_tokens_without_a_capture_directory_warns_once():
@@ -169,3 +228,42 @@ def test_demo_main_job(tmp_path):
     assert "[demo] completion: " in p.stdout
     assert "router precision bf16-fp32out (from --router-precision)" in p.stdout
     assert "[demo] server stopped (exit code 0)" in p.stdout
+
+
+def test_settings_for_a_model_the_plugin_does_not_cover_warn_once_naming_them(tmp_path, monkeypatch):
+    """``vllm serve Qwen3-MoE --router-precision fp32 --router-capture DIR``: the plugin owns no
+    router there, so one warning names the model and every setting that changes nothing."""
+    import logging
+    from types import SimpleNamespace
+
+    from vllm_router_ext.cli import warn_unless_covered
+
+    monkeypatch.delenv("VLLM_ROUTER_PRECISION", raising=False)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+
+    def config(arch: str, extra: dict):
+        hf = SimpleNamespace(architectures=[arch])
+        return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf), additional_config=extra)
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.vllm_router_ext.cli")
+    logger.addHandler(handler)
+    try:
+        extra = {
+            "router_precision_cli": "fp32",
+            "router_batch_invariant_cli": True,
+            "router_capture_dir_cli": str(tmp_path / "cap"),
+        }
+        text = warn_unless_covered(config("Qwen3MoeForCausalLM", extra))
+        assert warn_unless_covered(config("DeepseekV3ForCausalLM", extra)) is None  # covered: used
+        assert warn_unless_covered(config("Qwen3MoeForCausalLM", {})) is None  # nothing set
+    finally:
+        logger.removeHandler(handler)
+    messages = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert messages == [text]
+    assert "router precision fp32 (from --router-precision)" in text
+    assert "router batch invariance (from --router-batch-invariant)" in text
+    assert f"router capture into '{tmp_path / 'cap'}' (from --router-capture)" in text
+    assert "does nothing for Qwen3MoeForCausalLM" in text and "DeepseekV3ForCausalLM" in text

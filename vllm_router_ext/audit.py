@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_router_ext.capture import FILE_RE, CaptureError, captures_in, describe_capture, read_capture
 from vllm_router_ext.ops import router_gemm
 from vllm_router_ext.ops.reference import RoutingConfig, changed_expert_sets, select_experts
 from vllm_router_ext.ops.router_gemm import fp32_weight_terms
@@ -120,41 +121,52 @@ def random_hidden_states(tokens: int, k: int, seed: int) -> torch.Tensor:
     return (x / x.pow(2).mean(-1, keepdim=True).sqrt()).to(torch.bfloat16)
 
 
-def capture_file(directory: Path) -> Path:
+def _one_capture(directory: Path) -> str:
     """The one router capture (``--router-capture``) in ``directory``; an error naming them all
     when there are several (pass one file then)."""
-    found = sorted(directory.glob("router-capture-*.safetensors"))
+    found = captures_in(directory)
     if len(found) != 1:
-        what = (
-            "no router capture"
-            if not found
-            else f"{len(found)} router captures ({', '.join(p.name for p in found)})"
-        )
+        what = "no router capture" if not found else f"{len(found)} router captures ({', '.join(found)})"
         raise AuditError(f"{directory} holds {what}; pass --hidden-states one capture .safetensors file")
     return found[0]
 
 
-def load_hidden_states(path: str | Path, k: int) -> dict[int, torch.Tensor] | torch.Tensor:
+def load_hidden_states(
+    path: str | Path, k: int
+) -> tuple[dict[int, torch.Tensor] | torch.Tensor, dict | None]:
     """A [T, K] tensor shared by all layers, or per-layer tensors: safetensors keys
-    ``hidden_states`` or ``layers.N`` (a router capture: a file, or its directory); a .pt file
-    holding a tensor or a {layer: tensor} dict."""
+    ``hidden_states`` or ``layers.N`` (a router capture: a file, or its directory, whole or the
+    chunks a killed server left); a .pt file holding a tensor or a {layer: tensor} dict. With
+    them, what the capture says of itself (None for other files)."""
     p = Path(path)
-    if p.is_dir():
-        p = capture_file(p)
-    if not p.is_file():
+    info = None
+    capture = FILE_RE.match(p.name)
+    if p.is_dir() or (capture and not p.is_file()):
+        directory, stem = (p, _one_capture(p)) if p.is_dir() else (p.parent, capture.group(1))
+        try:
+            read = read_capture(directory, stem)
+        except CaptureError as e:
+            raise AuditError(str(e)) from None
+        data, info = read.tensors, read.info
+    elif not p.is_file():
         raise AuditError(f"hidden-states file {p} does not exist")
-    if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    elif p.suffix == ".safetensors":
+        if capture and not capture.group(3):
+            read = read_capture(p.parent, capture.group(1))
+            data, info = read.tensors, read.info
+        else:
+            from safetensors.torch import load_file
 
-        data = load_file(str(p))
+            data = load_file(str(p))
+    else:
+        data = torch.load(p, map_location="cpu", weights_only=True)
+    if isinstance(data, dict) and not isinstance(next(iter(data), 0), int):
         if "hidden_states" in data:
             data = data["hidden_states"]
         else:
             data = {
                 int(name.split(".")[1]): t for name, t in data.items() if re.match(r"^layers\.\d+$", name)
             }
-    else:
-        data = torch.load(p, map_location="cpu", weights_only=True)
     tensors = data.values() if isinstance(data, dict) else [data]
     if isinstance(data, dict) and not data:
         raise AuditError(f"{p}: no 'hidden_states' or 'layers.N' tensors")
@@ -162,7 +174,7 @@ def load_hidden_states(path: str | Path, k: int) -> dict[int, torch.Tensor] | to
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != k:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise AuditError(f"{p}: hidden states must be [T, {k}] (hidden_size), got {shape}")
-    return data
+    return data, info
 
 
 def _routed_weight_delta(ids_a, w_a, ids_b, w_b, n: int) -> torch.Tensor:
@@ -219,8 +231,8 @@ def run_audit(
     paths = [(m, m, False) for m in modes]
     if batch_invariant:
         paths += [(f"{m} batch-invariant", m, True) for m in modes if m != "bf16"]
-    shared = (
-        random_hidden_states(tokens, k, seed)
+    shared, capture = (
+        (random_hidden_states(tokens, k, seed), None)
         if hidden_states is None
         else load_hidden_states(hidden_states, k)
     )
@@ -257,6 +269,7 @@ def run_audit(
         if isinstance(shared, dict)
         else int(shared.shape[0]),
         "device": device,
+        "capture": capture,
         "layers": {str(i): v for i, v in per_layer.items()},
         "overall": overall,
     }
@@ -264,22 +277,50 @@ def run_audit(
 
 def format_tables(result: dict) -> str:
     labels = list(result["overall"])
-    lines = [f"router audit: {result['model']} ({result['tokens']} tokens, device {result['device']})", ""]
-    head = "| layer | mode | rel err | changed expert sets | mean |Δw| | p99 |Δw| |"
-    sep = "|---:|---|---:|---:|---:|---:|"
-    lines += [head, sep]
+    cols = "| mode | rel err vs fp64 | changed expert sets | mean |Δw| | p99 |Δw| |"
+    sep = "|---|---:|---:|---:|---:|"
+    lines = [f"router audit: {result['model']} ({result['tokens']} tokens, device {result['device']})"]
+    if result.get("capture"):
+        lines.append(describe_capture(result["capture"]))
 
-    def row(layer: str, label: str, r: dict) -> str:
-        return (
-            f"| {layer} | {label} | {r['rel_err']:.2e} | {r['changed_pct']:.3f} % | "
-            f"{r['dw_mean']:.2e} | {r['dw_p99']:.2e} |"
-        )
+    def cells(r: dict) -> str:
+        return f" {r['rel_err']:.2e} | {r['changed_pct']:.3f} % | {r['dw_mean']:.2e} | {r['dw_p99']:.2e} |"
 
+    lines += ["", "per MoE layer:", "| MoE layer " + cols, "|---:" + sep]
     for layer, per_mode in result["layers"].items():
-        lines += [row(layer, label, per_mode[label]) for label in labels]
-    lines += ["", "overall (mean over layers):", head.replace("layer", "all"), sep]
-    lines += [row("all", label, result["overall"][label]) for label in labels]
+        lines += [f"| {layer} | {label} |" + cells(per_mode[label]) for label in labels]
+    n = len(result["layers"])
+    lines += ["", f"overall (mean over {n} MoE layer{'s' if n != 1 else ''}):", cols, sep]
+    lines += [f"| {label} |" + cells(result["overall"][label]) for label in labels]
     return "\n".join(lines)
+
+
+def figure(result: dict, plt):
+    """The per-layer figure: one integer tick per MoE layer (at most ~20 labelled), the y axis from 0 %."""
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
+
+    layers = [int(i) for i in result["layers"]]
+    fig, ax = plt.subplots(figsize=(min(16, max(6, len(layers) * 0.15 + 4)), 4))
+    top = 0.0
+    for label in result["overall"]:
+        values = [result["layers"][str(i)][label]["changed_pct"] for i in layers]
+        top = max(top, *values)
+        ax.plot(layers, values, marker="o", ms=3, label=label)
+    ax.set_xlim(min(layers) - 0.5, max(layers) + 0.5)
+    if len(layers) <= 20:
+        ax.set_xticks(layers)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=20, integer=True))
+    # 0 % at the bottom; an audit where nothing changed still shows a 0-1 % scale
+    ax.set_ylim(0, top * 1.15 if top > 0 else 1.0)
+    ax.yaxis.set_major_formatter(PercentFormatter(decimals=None))
+    ax.set_xlabel("MoE layer")
+    ax.set_ylabel("tokens with a changed expert set vs fp64")
+    ax.set_title(Path(result["model"]).name)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 def plot(result: dict, path: Path) -> bool:
@@ -287,26 +328,9 @@ def plot(result: dict, path: Path) -> bool:
     plt = pyplot()
     if plt is None:
         return False
-    from matplotlib.ticker import MaxNLocator
-
-    layers = [int(i) for i in result["layers"]]
-    fig, ax = plt.subplots(figsize=(max(6, len(layers) * 0.15 + 4), 4))
-    for label in result["overall"]:
-        ax.plot(
-            layers,
-            [result["layers"][str(i)][label]["changed_pct"] for i in layers],
-            marker="o",
-            ms=3,
-            label=label,
-        )
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("MoE layer")
-    ax.set_ylabel("% tokens with a changed expert set vs fp64")
-    ax.set_title(Path(result["model"]).name)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    fig = figure(result, plt)
     fig.savefig(path, dpi=100)
+    plt.close(fig)
     return True
 
 
@@ -320,18 +344,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--hidden-states",
+        metavar="PATH",
         default=None,
         help="[T, K] activations: a safetensors/.pt file, or the directory of a --router-capture "
         "(default: --tokens random activations)",
     )
     p.add_argument(
         "--tokens",
+        metavar="N",
         type=int,
         default=4096,
         help="random tokens when no --hidden-states (default: %(default)s)",
     )
     p.add_argument(
-        "--seed", type=int, default=0, help="seed of the random activations (default: %(default)s)"
+        "--seed",
+        metavar="N",
+        type=int,
+        default=0,
+        help="seed of the random activations (default: %(default)s)",
     )
     p.add_argument(
         "--device",
@@ -341,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--modes",
+        metavar="MODES",
         default=",".join(ALL_MODES),
         help=f"comma-separated modes to compare with fp64, from: {', '.join(ALL_MODES)} (default: all)",
     )
@@ -351,12 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--out",
+        metavar="DIR",
         default="router-audit",
         help="directory for audit.json, audit.md and audit.png (default: %(default)s)",
     )
-    p.add_argument(
-        "--no-progress", action="store_true", help="no progress bar (default: shown)"
-    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
     return p
 
 
@@ -379,12 +409,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    tables = format_tables(result)
     (out / "audit.json").write_text(json.dumps(result, indent=1))
-    print(format_tables(result))
+    (out / "audit.md").write_text(tables + "\n", encoding="utf-8")
+    print(tables)
+    written = f"{out / 'audit.json'}, {out / 'audit.md'}"
     if plot(result, out / "audit.png"):
-        print(f"\nwrote {out / 'audit.json'} and {out / 'audit.png'}")
+        print(f"\nwrote {written} and {out / 'audit.png'}")
     else:
-        print(f"\nwrote {out / 'audit.json'}; {PLOT_MISSING}")
+        print(f"\nwrote {written}; {PLOT_MISSING}")
     return 0
 
 

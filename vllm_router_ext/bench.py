@@ -291,24 +291,28 @@ def plot(rows: list[dict], methods: list[str], path: Path) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="vllm-router-bench", description=__doc__.splitlines()[0])
     p.add_argument(
         "--out",
+        metavar="DIR",
         default="bench-out",
         help="directory for bench.json, bench.log and the plots (default: %(default)s)",
     )
     p.add_argument(
         "--shapes",
+        metavar="NAMES",
         default=",".join(s.name for s in SHAPES),
         help="comma-separated gate shapes, by model name (default: %(default)s)",
     )
     p.add_argument(
         "--m",
+        metavar="M_LIST",
         default=",".join(map(str, M_LIST)),
         help="comma-separated token counts M (default: %(default)s)",
     )
     p.add_argument(
         "--methods",
+        metavar="NAMES",
         default=",".join(DEFAULT_METHODS),
         help=f"comma-separated, from: {', '.join(METHODS)} (default: all)",
     )
@@ -318,10 +322,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="time only: skip the expert-set accuracy table (default: measure it)",
     )
     p.add_argument(
-        "--commit", default=None, help="the code's commit, recorded in bench.json (default: git's)"
+        "--commit",
+        metavar="SHA",
+        default=None,
+        help="the code's commit, recorded in bench.json (default: git's)",
     )
     p.add_argument(
         "--peer",
+        metavar="FILE",
         default=None,
         help="a Python file defining peer_mm(x, w), SHAPES and MS (default: FlashInfer's router GEMMs)",
     )

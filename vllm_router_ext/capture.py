@@ -5,18 +5,28 @@ Opt in with ``--router-capture DIR`` (or ``additional_config["router_capture_dir
 ``_tokens``; default :data:`DEFAULT_TOKENS`). Each gate the plugin owns keeps the first N rows of
 its input and of the fp32 logits our op produced, from forward passes of scheduled requests
 (vLLM's warm-up, profiling and data-parallel padding passes carry no attention metadata and are
-skipped). Once every gate holds N rows, one file is written:
+skipped), in one file per engine core:
 
-    DIR/router-capture-<run>-dp<rank>.safetensors   keys layers.<i> [N, hidden] (model dtype),
-                                                      logits.<i> [N, experts] (float32)
-    DIR/router-capture-<run>-dp<rank>.json           model, precision, vLLM version, tokens, ranks
+    DIR/router-capture-<run>-dp<rank>.safetensors   keys layers.<i> [rows, hidden] (model dtype),
+                                                      logits.<i> [rows, experts] (float32)
+    DIR/router-capture-<run>-dp<rank>.json           model, precision, vLLM version, rows per
+                                                      layer, whether the budget was reached
+
+Rows reach the file as they arrive: it is laid out for the whole budget when the model is built
+and each gate's rows are written in place, and the JSON's row counts are brought up to date after
+every forward pass. So any end keeps what was recorded, a stop signal (which vLLM answers by
+killing its workers at once) or a crash (SIGKILL, out of memory) too, less at most the pass in
+flight. Whoever ends cleanly (the worker at the budget, a garbage-collected model, the process
+that started the engine when it exits) trims the file to the rows held and logs it; a file left
+untrimmed still reads right, the JSON saying how many rows count.
 
 ``<run>`` is one more than the highest run already in DIR (nothing is overwritten); ``dp<rank>``
 is the engine core's data-parallel rank. Tensor-parallel ranks hold the same replicated gate
 inputs, so only TP rank 0 records and writes. Speculative-decoding drafts are not recorded.
-The capture runs Python in the gate's forward: it needs eager mode (``--enforce-eager``); under
-CUDA graphs or torch.compile a replayed graph would skip it, so those refuse to start with it.
-A failed write (disk full, permissions) is logged and serving goes on.
+The budget's bytes are computed when the model is built and refused above a limit
+(:data:`MEMORY_SHARE` of the host's memory unless set: the audit and the trim read a capture
+whole) or above the directory's free disk. The capture runs Python in the gate's forward: it needs
+eager mode (``--enforce-eager``). A failed write is logged and serving goes on.
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +47,21 @@ from csrc_triton import environment
 
 DIR_KEY = "router_capture_dir"
 TOKENS_KEY = "router_capture_tokens"
+MEMORY_LIMIT_KEY = "router_capture_memory_limit_gib"
 CLI_DIR_KEY = "router_capture_dir_cli"
 CLI_TOKENS_KEY = "router_capture_tokens_cli"
+CLI_MEMORY_LIMIT_KEY = "router_capture_memory_limit_gib_cli"
 DIR_ENV = environment.CAPTURE_DIR
 TOKENS_ENV = environment.CAPTURE_TOKENS
+MEMORY_LIMIT_ENV = environment.CAPTURE_MEMORY_LIMIT
 DEFAULT_TOKENS = 4096
-FILE_RE = re.compile(r"^router-capture-(\d+)-dp\d+\.(?:safetensors|json)$")
+MEMORY_SHARE = 0.25  # of the host's physical memory, when no limit is set
+BUDGET_REACHED = "budget reached"
+STOPPED = "the model or its process ended before the budget was reached"
+ENGINE_STOPPED = "the engine stopped before the budget was reached"
+_GiB = 1 << 30
+_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+FILE_RE = re.compile(r"^(router-capture-(\d+)-dp\d+)\.(?:safetensors|json)$")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
 
 
@@ -60,6 +81,18 @@ def parse_tokens(value: Any, source: str) -> int:
     return tokens
 
 
+def parse_gib(value: Any, source: str) -> float:
+    try:
+        gib = float(str(value).strip())
+    except ValueError:
+        gib = 0.0
+    if not 0 < gib < float("inf"):
+        raise CaptureError(
+            f"invalid router capture memory limit {value!r} from {source}; allowed: a positive number of GiB"
+        )
+    return gib
+
+
 def check_directory(value: Any, source: str) -> Path:
     """``value`` as a directory this process can create and write into, else :class:`CaptureError`."""
     path = Path(str(value)).expanduser()
@@ -77,8 +110,12 @@ def check_directory(value: Any, source: str) -> Path:
 
 def next_run(directory: Path) -> int:
     """One more than the highest capture run in ``directory`` (1 in an empty one)."""
-    runs = [int(m.group(1)) for p in directory.iterdir() if (m := FILE_RE.match(p.name))]
+    runs = [int(m.group(2)) for p in directory.iterdir() if (m := FILE_RE.match(p.name))]
     return max(runs, default=0) + 1
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass(frozen=True)
@@ -86,75 +123,288 @@ class CaptureSettings:
     directory: Path
     tokens: int
     source: str
+    memory_limit_gib: float | None = None  # None: MEMORY_SHARE of the host's memory
+    memory_limit_source: str | None = None
 
 
 def resolve_capture(additional_config: dict, env: dict[str, str] | None = None) -> CaptureSettings | None:
     """The capture request from its sources (command line, ``additional_config``, environment:
-    first set wins, as for the precision); None when none asks for one. Validates what it uses."""
+    for each setting the first one set wins, as for the precision); None when none asks for one."""
     env = environment.capture() if env is None else env
-    extra = additional_config
-    for source, directory, tokens_source, tokens in (
-        ("--router-capture", extra.get(CLI_DIR_KEY), "--router-capture-tokens", extra.get(CLI_TOKENS_KEY)),
-        (f"additional_config[{DIR_KEY!r}]", extra.get(DIR_KEY), f"additional_config[{TOKENS_KEY!r}]",
-         extra.get(TOKENS_KEY)),
-        (f"environment variable {DIR_ENV}", env.get(DIR_ENV), f"environment variable {TOKENS_ENV}",
-         env.get(TOKENS_ENV)),
-    ):  # fmt: skip
-        if directory:
-            budget = DEFAULT_TOKENS if tokens is None else parse_tokens(tokens, tokens_source)
-            return CaptureSettings(check_directory(directory, source), budget, source)
-    return None
+
+    def first(cli_key: str, flag: str, key: str, env_name: str) -> tuple[Any, str]:
+        for value, source in (
+            (additional_config.get(cli_key), flag),
+            (additional_config.get(key), f"additional_config[{key!r}]"),
+            (env.get(env_name), f"environment variable {env_name}"),
+        ):
+            if value not in (None, ""):
+                return value, source
+        return None, ""
+
+    directory, source = first(CLI_DIR_KEY, "--router-capture", DIR_KEY, DIR_ENV)
+    if directory is None:
+        return None
+    tokens, tokens_source = first(CLI_TOKENS_KEY, "--router-capture-tokens", TOKENS_KEY, TOKENS_ENV)
+    limit, limit_source = first(
+        CLI_MEMORY_LIMIT_KEY, "--router-capture-memory-limit", MEMORY_LIMIT_KEY, MEMORY_LIMIT_ENV
+    )
+    return CaptureSettings(
+        directory=check_directory(directory, source),
+        tokens=DEFAULT_TOKENS if tokens is None else parse_tokens(tokens, tokens_source),
+        source=source,
+        memory_limit_gib=None if limit is None else parse_gib(limit, limit_source),
+        memory_limit_source=limit_source or None,
+    )
+
+
+@dataclass(frozen=True)
+class GateShape:
+    layer: int
+    hidden: int
+    experts: int
+    dtype: torch.dtype  # of the gate's input rows
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.hidden * self.dtype.itemsize + self.experts * 4
+
+
+def size_text(nbytes: float) -> str:
+    return f"{nbytes / _GiB:.2f} GiB" if nbytes >= _GiB / 10 else f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def check_budget(settings: CaptureSettings, gates: list[GateShape]) -> int:
+    """The bytes the budget needs for ``gates`` (inputs and fp32 logits); :class:`CaptureError`
+    naming the budget, the bytes and the limit when above the memory limit or the free disk."""
+    per_token = sum(g.bytes_per_token for g in gates)
+    need = settings.tokens * per_token
+    if settings.memory_limit_gib is None:
+        host = host_memory_bytes()
+        limit, says = int(host * MEMORY_SHARE), f"{MEMORY_SHARE:.0%} of this host's {size_text(host)}"
+    else:
+        limit, says = int(settings.memory_limit_gib * _GiB), f"from {settings.memory_limit_source}"
+    budget = (
+        f"router capture budget {settings.tokens} tokens (from {settings.source}) needs {size_text(need)} "
+        f"({len(gates)} gate(s), {per_token} bytes per token: inputs and fp32 logits)"
+    )
+    if need > limit:
+        raise CaptureError(
+            f"{budget}, above the memory limit of {size_text(limit)} ({says}; the audit reads a capture "
+            "whole); lower --router-capture-tokens or raise --router-capture-memory-limit GIB"
+        )
+    free = shutil.disk_usage(settings.directory).free
+    if need > free:
+        raise CaptureError(
+            f"{budget}, above the {size_text(free)} free in {str(settings.directory)!r}; lower "
+            "--router-capture-tokens or capture into a larger disk"
+        )
+    return need
 
 
 class GateCapture:
-    """One process's capture: the first ``tokens`` rows of each gate's input and logits."""
+    """One process's capture: the first ``tokens`` rows of each gate's input and logits, written
+    in place into a file laid out for the whole budget, the JSON's counts updated every pass."""
 
-    def __init__(self, settings: CaptureSettings, gates: list[str], stem: str, meta: dict) -> None:
+    def __init__(self, settings: CaptureSettings, gates: list[GateShape], stem: str, meta: dict) -> None:
         self.settings = settings
         self.path = settings.directory / f"{stem}.safetensors"
         self.meta = meta
-        self._rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._count: dict[int, int] = {layer_index(g): 0 for g in gates}
+        self.gates = {g.layer: g for g in gates}
+        self._last = max(self.gates)  # its rows end a forward pass
+        self._count: dict[int, int] = dict.fromkeys(self.gates, 0)
         self._lock = threading.Lock()
         self.done = False
+        self._offsets, header = _layout(gates, settings.tokens)
+        with open(self.path, "wb") as f:
+            f.write(header)
+            f.truncate(self._offsets["end"])  # sparse: disk is used as rows arrive
+        self._fd = os.open(self.path, os.O_WRONLY)
+        self._write_status(complete=False, ended=None)
 
     def record(self, layer: int, x: torch.Tensor, logits: torch.Tensor) -> None:
-        """Keep what is still missing of this layer's budget; write once every layer is full."""
+        """Write what is still missing of this layer's budget at its place in the file."""
         take = min(x.shape[0], self.settings.tokens - self._count.get(layer, 0))
         if self.done or take <= 0 or not _serving_pass():
             return
+        rows_x = x[:take].detach().to("cpu").contiguous()
+        rows_logits = logits[:take].detach().float().to("cpu").contiguous()
         with self._lock:
-            self._rows.setdefault(layer, []).append(
-                (x[:take].detach().to("cpu", copy=True), logits[:take].detach().float().to("cpu", copy=True))
-            )
-            self._count[layer] = self._count.get(layer, 0) + take
+            start = self._count[layer]
+            take = min(take, self.settings.tokens - start)
+            if self.done or take <= 0:
+                return
+            rows_x, rows_logits = rows_x[:take], rows_logits[:take]
+            for key, rows in ((f"layers.{layer}", rows_x), (f"logits.{layer}", rows_logits)):
+                row_bytes = rows[0].numel() * rows.element_size()
+                os.pwrite(self._fd, _bytes(rows), self._offsets[key] + start * row_bytes)
+            self._count[layer] = start + take
             if all(c >= self.settings.tokens for c in self._count.values()):
-                self.done = True
-                self._write()
+                self._finish(BUDGET_REACHED)
+            elif layer == self._last:
+                self._write_status(complete=False, ended=None)
 
-    def _write(self) -> None:
-        from safetensors.torch import save_file
+    def close(self, ended: str = STOPPED) -> None:
+        """Trim the file to the rows recorded and say so (idempotent): the model or process ends."""
+        with self._lock:
+            if not self.done:
+                self._finish(ended)
 
+    def _write_status(self, complete: bool, ended: str | None) -> None:
+        status = {
+            **self.meta,
+            "budget_tokens": self.settings.tokens,
+            "layers": sorted(self._count),
+            "rows_per_layer": {str(layer): n for layer, n in sorted(self._count.items())},
+            "complete": complete,
+            "ended": ended,
+            "trimmed": False,
+        }
+        _atomic_json(self.path.with_suffix(".json"), status)
+
+    def _finish(self, ended: str) -> None:
         from vllm_router_ext.layers.gate import logger
 
-        tensors = {}
-        for layer, rows in sorted(self._rows.items()):
-            tensors[f"layers.{layer}"] = torch.cat([r[0] for r in rows]).contiguous()
-            tensors[f"logits.{layer}"] = torch.cat([r[1] for r in rows]).contiguous()
-        self._rows.clear()
-        meta = {**self.meta, "tokens_per_layer": self.settings.tokens, "layers": sorted(self._count)}
+        self.done = True
         try:
-            save_file(tensors, str(self.path), metadata={"format": "pt"})
-            self.path.with_suffix(".json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+            os.close(self._fd)
+            self._write_status(complete=ended == BUDGET_REACHED, ended=ended)
+            message = trim_capture(self.path)
         except OSError as e:  # disk full, directory gone: the server keeps serving
             logger.error("vllm-router-ext: could not write the router capture %s: %s", self.path, e)
             return
-        logger.info(
-            "vllm-router-ext: wrote the router capture %s (%d tokens x %d layers)",
-            self.path,
-            self.settings.tokens,
-            len(self._count),
-        )
+        logger.info("vllm-router-ext: %s", message)
+
+
+def _layout(gates: list[GateShape], rows: int) -> tuple[dict[str, int], bytes]:
+    """A safetensors header for ``rows`` rows of every gate's input and logits, and each tensor's
+    absolute file offset (``end``: the file's size)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    relative, at = {}, 0
+    for g in sorted(gates, key=lambda g: g.layer):
+        for key, dtype, width in (
+            (f"layers.{g.layer}", g.dtype, g.hidden),
+            (f"logits.{g.layer}", torch.float32, g.experts),
+        ):  # noqa: E501
+            size = rows * width * dtype.itemsize
+            header[key] = {"dtype": _DTYPES[dtype], "shape": [rows, width], "data_offsets": [at, at + size]}
+            relative[key], at = at, at + size
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    start = 8 + len(text)
+    offsets = {key: start + off for key, off in relative.items()}
+    offsets["end"] = start + at
+    return offsets, struct.pack("<Q", len(text)) + text
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def _atomic_json(path: Path, value: dict) -> None:
+    """Write then rename: a kill mid-write never leaves a torn JSON."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def trim_capture(path: Path, ended: str | None = None) -> str:
+    """Rewrite a capture laid out for its whole budget to the rows its JSON counts; what was
+    written, in a sentence. ``ended`` sets why it ended where the JSON does not say yet."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    meta_path = path.with_suffix(".json")
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    if ended is not None and meta.get("ended") is None:
+        meta["ended"] = ended
+    rows = meta["rows_per_layer"]
+    if not meta.get("trimmed") and set(rows.values()) != {meta["budget_tokens"]}:
+        tensors = {}
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_slice(name)[: rows[name.split(".")[1]]].contiguous()
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path)
+    if not meta.get("trimmed"):
+        meta["trimmed"] = True
+        _atomic_json(meta_path, meta)
+    counts = "/".join(str(n) for n in sorted(set(meta["rows_per_layer"].values())))
+    state = "complete" if meta["complete"] else f"partial, budget {meta['budget_tokens']}: {meta['ended']}"
+    return f"wrote the router capture {path} ({counts} tokens x {len(meta['layers'])} layers, {state})"
+
+
+def trim_unfinished(directory: Path, first_run: int) -> None:
+    """Trim, log and mark ended every capture of run ``first_run`` or later in ``directory`` that
+    its worker did not finish (a stop signal ends workers at once); run where the engine started."""
+    from vllm_router_ext.layers.gate import logger
+
+    for meta_path in sorted(directory.glob("router-capture-*-dp*.json")):
+        m = FILE_RE.match(meta_path.name)
+        if m is None or int(m.group(2)) < first_run:
+            continue
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+            if meta.get("trimmed"):
+                continue
+            logger.info(
+                "vllm-router-ext: %s", trim_capture(meta_path.with_suffix(".safetensors"), ENGINE_STOPPED)
+            )
+        except (OSError, ValueError, KeyError) as e:
+            logger.error("vllm-router-ext: could not finish the router capture %s: %s", meta_path, e)
+
+
+@dataclass(frozen=True)
+class CaptureRead:
+    tensors: dict[str, torch.Tensor]
+    info: dict  # stem, complete, ended, budget_tokens, rows_per_layer
+
+
+def captures_in(directory: Path) -> list[str]:
+    """The capture stems in ``directory`` (one per run and data-parallel rank)."""
+    return sorted({m.group(1) for p in directory.iterdir() if (m := FILE_RE.match(p.name))})
+
+
+def read_capture(directory: Path, stem: str) -> CaptureRead:
+    """A capture's rows: trimmed, or still laid out for the budget (a process killed outright;
+    its JSON counts the rows of every finished pass). Partial when the budget was not reached."""
+    from safetensors import safe_open
+
+    path = directory / f"{stem}.safetensors"
+    meta_path = path.with_suffix(".json")
+    if not path.is_file():
+        raise CaptureError(f"{directory}: capture {stem} has no {path.name}")
+    meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
+    counts = meta.get("rows_per_layer", {})
+    tensors = {}
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():
+            rows = counts.get(name.split(".")[1]) if "." in name else None
+            sliced = f.get_slice(name)
+            tensors[name] = sliced[:rows] if rows is not None else f.get_tensor(name)
+    ended = meta.get("ended")
+    if meta and ended is None:
+        ended = "interrupted: the process was killed; rows of its last finished pass kept"
+    info = {
+        "stem": stem,
+        "complete": bool(meta.get("complete", True)),
+        "ended": ended,
+        "budget_tokens": meta.get("budget_tokens"),
+        "rows_per_layer": {
+            n.split(".")[1]: t.shape[0] for n, t in tensors.items() if n.startswith("layers.")
+        },
+    }
+    return CaptureRead(tensors, info)
+
+
+def describe_capture(info: dict) -> str:
+    """One line on where the rows came from, and whether the capture is partial."""
+    rows = "/".join(str(r) for r in sorted(set(info["rows_per_layer"].values())))
+    if info["complete"]:
+        return f"capture {info['stem']}: complete, {rows} tokens per layer"
+    budget = f" of a {info['budget_tokens']}-token budget" if info.get("budget_tokens") else ""
+    return f"capture {info['stem']}: PARTIAL, {rows} tokens per layer{budget} ({info['ended']})"
 
 
 def layer_index(gate_prefix: str) -> int:

@@ -1,22 +1,29 @@
-"""``--router-precision`` and ``--router-batch-invariant`` on vLLM's engine CLI.
+"""The plugin's flags on vLLM's engine CLI, and its hook where an engine is started.
 
 A general plugin gets no parser hook, but vLLM loads general plugins before it builds the engine
 arguments (``AsyncEngineArgs.add_cli_args``), so :func:`install_cli_flags` wraps
 ``EngineArgs.add_cli_args`` (adds the flags) and ``EngineArgs.from_cli_args`` (copies the values
-into ``additional_config``, which reaches the engine core and every worker).
+into ``additional_config``, which reaches the engine core and every worker). It also wraps
+``EngineArgs.create_engine_config``, which runs in the process that starts the engine (``vllm
+serve``'s API server, the offline ``LLM``'s): a router capture there is finished when that process
+exits, as vLLM's workers are killed without a chance to.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 from typing import Any
 
 from vllm_router_ext.capture import (
     CLI_DIR_KEY,
+    CLI_MEMORY_LIMIT_KEY,
     CLI_TOKENS_KEY,
     DEFAULT_TOKENS,
+    MEMORY_SHARE,
     CaptureError,
     check_directory,
+    parse_gib,
     parse_tokens,
 )
 from vllm_router_ext.precision import (
@@ -60,7 +67,17 @@ def add_router_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default=None,
         metavar="N",
         help=f"Tokens (rows) per gate that --router-capture records; default {DEFAULT_TOKENS}. Host "
-        "memory: N x hidden size x 2 bytes per gate, plus N x experts x 4 bytes of logits.%(default).0s",
+        "memory and disk: N x hidden size x 2 bytes per gate, plus N x experts x 4 bytes of logits. Rows "
+        "reach DIR as each forward pass ends: a stop or a crash keeps what was recorded.%(default).0s",
+    )
+    group.add_argument(
+        "--router-capture-memory-limit",
+        type=_argparse_check(lambda v: parse_gib(v, "--router-capture-memory-limit")),
+        default=None,
+        metavar="GIB",
+        help="The most host memory (GiB) a --router-capture budget may need (the audit reads a "
+        "capture whole); a larger budget is refused at start-up. "
+        f"Default: {MEMORY_SHARE:.0%}% of the host's memory.%(default).0s",
     )
     group.add_argument(
         "--router-batch-invariant",
@@ -95,13 +112,17 @@ def apply_router_cli_args(engine_args: Any, args: argparse.Namespace) -> Any:
         updates[CLI_DIR_KEY] = args.router_capture
     if getattr(args, "router_capture_tokens", None) is not None:
         updates[CLI_TOKENS_KEY] = args.router_capture_tokens
-    if CLI_TOKENS_KEY in updates and CLI_DIR_KEY not in updates:
+    if getattr(args, "router_capture_memory_limit", None) is not None:
+        updates[CLI_MEMORY_LIMIT_KEY] = args.router_capture_memory_limit
+    if CLI_DIR_KEY not in updates:
         from vllm.logger import init_logger
 
-        init_logger(f"vllm.{__name__}").warning(
-            "vllm-router-ext: --router-capture-tokens %d does nothing without --router-capture DIR",
-            updates[CLI_TOKENS_KEY],
-        )
+        for key, flag in ((CLI_TOKENS_KEY, "--router-capture-tokens"),
+                          (CLI_MEMORY_LIMIT_KEY, "--router-capture-memory-limit")):  # fmt: skip
+            if key in updates:
+                init_logger(f"vllm.{__name__}").warning(
+                    "vllm-router-ext: %s %s does nothing without --router-capture DIR", flag, updates[key]
+                )
     if updates:
         extra = engine_args.additional_config
         engine_args.additional_config = {**(extra if isinstance(extra, dict) else {}), **updates}
@@ -123,6 +144,67 @@ def install_cli_flags() -> None:
     def from_cli_args(cls, args: argparse.Namespace):
         return apply_router_cli_args(original_from(cls, args), args)
 
+    original_create = EngineArgs.create_engine_config
+
+    def create_engine_config(self, *a, **kw):
+        config = original_create(self, *a, **kw)
+        warn_unless_covered(config)
+        finish_captures_at_exit(config.additional_config)
+        return config
+
     setattr(add_cli_args, _MARK, True)
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
     EngineArgs.from_cli_args = classmethod(from_cli_args)
+    EngineArgs.create_engine_config = create_engine_config
+
+
+_FINISHING: set[str] = set()
+
+
+def finish_captures_at_exit(additional_config: Any) -> None:
+    """At this process's exit, trim and log the captures the engine about to start leaves unfinished."""
+    from vllm_router_ext.capture import next_run, resolve_capture, trim_unfinished
+
+    try:
+        capture = resolve_capture(additional_config if isinstance(additional_config, dict) else {})
+    except CaptureError:
+        return  # the engine's model build names the bad setting
+    if capture is None or str(capture.directory) in _FINISHING:
+        return
+    _FINISHING.add(str(capture.directory))
+    atexit.register(trim_unfinished, capture.directory, next_run(capture.directory))
+
+
+def warn_unless_covered(vllm_config: Any) -> str | None:
+    """One warning naming what the user set for a model whose router the plugin does not own
+    (its settings would change nothing); the warning's text, or None when there is nothing to say."""
+    from vllm_router_ext.capture import resolve_capture
+    from vllm_router_ext.precision import DEEPSEEK_V2_DRAFTS, DEEPSEEK_V2_FAMILY, resolve_router_settings
+
+    archs = list(getattr(vllm_config.model_config.hf_config, "architectures", None) or [])
+    if set(archs) & set(DEEPSEEK_V2_FAMILY + DEEPSEEK_V2_DRAFTS):
+        return None
+    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+    try:
+        settings = resolve_router_settings(vllm_config)
+        capture = resolve_capture(extra)
+    except ValueError:
+        return None  # a bad value: named where the setting is used
+    unused = []
+    if not settings.source.startswith(("auto", "HF config")):
+        unused.append(f"router precision {settings.precision.value} (from {settings.source})")
+    if settings.batch_invariant and settings.batch_invariant_source != "VLLM_BATCH_INVARIANT=1":
+        unused.append(f"router batch invariance (from {settings.batch_invariant_source})")
+    if capture is not None:
+        unused.append(f"router capture into {str(capture.directory)!r} (from {capture.source})")
+    if not unused:
+        return None
+    from vllm.logger import init_logger
+
+    text = (
+        f"vllm-router-ext: {'; '.join(unused)} does nothing for {', '.join(archs) or 'this model'}: the "
+        f"plugin owns the router of {', '.join(DEEPSEEK_V2_FAMILY)} only; this model keeps vLLM's own "
+        "router GEMM"
+    )
+    init_logger(f"vllm.{__name__}").warning(text)
+    return text

@@ -138,16 +138,22 @@ def _capture_settings(vllm_config, arch: str):
 
 
 def _attach_capture(model, vllm_config, settings: RouterSettings, capture) -> None:
-    """Tensor-parallel rank 0 records (the gate is replicated); one file per data-parallel rank."""
+    """Tensor-parallel rank 0 records (the gate is replicated); one file per data-parallel rank.
+    The rows are written when the budget is reached, or when the model or the process ends."""
+    from multiprocessing.util import Finalize
+
     import vllm
     from vllm.distributed import get_tensor_model_parallel_rank
 
     import vllm_router_ext
-    from vllm_router_ext.capture import GateCapture, next_run
+    from vllm_router_ext.capture import GateCapture, GateShape, check_budget, layer_index, next_run, size_text
 
     if get_tensor_model_parallel_rank() != 0:
         return
     gates = router_gates(model)
+    dtype = vllm_config.model_config.dtype
+    shapes = [GateShape(layer_index(g.prefix), g.input_size, g.output_size, dtype) for g in gates]
+    need = check_budget(capture, shapes)
     dp_rank = vllm_config.parallel_config.data_parallel_rank
     run = next_run(capture.directory)
     meta = {
@@ -161,15 +167,19 @@ def _attach_capture(model, vllm_config, settings: RouterSettings, capture) -> No
         "data_parallel_rank": dp_rank,
         "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size,
     }
-    recorder = GateCapture(capture, [g.prefix for g in gates], f"router-capture-{run}-dp{dp_rank}", meta)
+    recorder = GateCapture(capture, shapes, f"router-capture-{run}-dp{dp_rank}", meta)
     for gate in gates:
         gate.attach_capture(recorder)
+    # Runs when the model is garbage-collected, and at a normal exit of this process (fork or spawn).
+    Finalize(model, recorder.close, exitpriority=100)
     logger.info(
-        "vllm-router-ext: capturing %d tokens of %d gate(s) into %s (from %s)",
+        "vllm-router-ext: capturing %d tokens of %d gate(s) into %s (from %s): up to %s on disk, "
+        "written as rows arrive",
         capture.tokens,
         len(gates),
         recorder.path,
         capture.source,
+        size_text(need),
     )
 
 

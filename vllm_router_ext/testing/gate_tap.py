@@ -108,6 +108,11 @@ def _owned(model: torch.nn.Module) -> list[tuple[str, RouterGateLinear]]:
     ]
 
 
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class GateTap:
     """Worker methods (vLLM mixes this class into its worker)."""
 
@@ -115,11 +120,11 @@ class GateTap:
         gates = _gates(self)
         for gate in gates.values():
             gate._tap_state.copy_(torch.tensor([1, 0, 0], dtype=torch.int64))
-        torch.cuda.synchronize()
+        _synchronize()
         return {"gates": sorted(gates)}
 
     def router_tap_dump(self, path: str) -> dict:
-        torch.cuda.synchronize()
+        _synchronize()
         saved, summary = {}, {}
         for name, gate in _gates(self).items():
             on, rows, calls = (int(v) for v in gate._tap_state.cpu())
