@@ -136,6 +136,13 @@ def _tensors(cfg: dict, gen: torch.Generator, gate_dtype: torch.dtype) -> dict[s
             heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), cfg["kv_lora_rank"]
         )
         t[a + "o_proj.weight"] = rand(H, heads * cfg["v_head_dim"])
+        if "index_n_heads" in cfg:  # the sparse-attention (DSA) indexer of V3.2 / GLM-5
+            ix, n_ix, d_ix = a + "indexer.", cfg["index_n_heads"], cfg["index_head_dim"]
+            t[ix + "wq_b.weight"] = rand(n_ix * d_ix, cfg["q_lora_rank"])
+            t[ix + "wk.weight"] = rand(d_ix, H)
+            t[ix + "weights_proj.weight"] = rand(n_ix, H)
+            t[ix + "k_norm.weight"] = ones(d_ix)
+            t[ix + "k_norm.bias"] = torch.zeros(d_ix, dtype=bf16)
         m = p + "mlp."
         if dense:
             t[m + "gate_proj.weight"] = rand(cfg["intermediate_size"], H)
