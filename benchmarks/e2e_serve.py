@@ -8,10 +8,11 @@ Models: slices of the real ones with random weights (hidden 7168, DeepSeek's MLA
 3 layers of which 2 MoE, narrow experts: the router's share of a step is larger than in the full
 model, so a cost shows more, not less). Every server of a run starts together on the one GPU;
 then, per round and concurrency, the servers are measured one at a time, the modes taking turns
-in a rotated order. Decode tokens/s: ``c`` clients each send one request (16 prompt tokens,
-``--max-tokens`` new tokens, EOS ignored), completion tokens / wall time; TTFT: a 256-token
-prompt streamed alone, time to the first token, median of 5. Writes ``e2e.json`` and ``e2e.png``
-and prints a table with each mode's ratio to ``bf16`` (stock vLLM) per round's median.
+in a rotated order, with vLLM's own serving benchmark (``vllm bench serve``: random prompts, EOS
+ignored). Decode: ``c`` concurrent clients, 2c requests (at least 4) of 16 prompt tokens and ``--max-tokens``
+new ones: output tokens/s and median time per output token (TPOT); TTFT: 256-token prompts one at
+a time, the median. Writes ``e2e.json`` and ``e2e.png`` and prints a table of medians over rounds
+with each mode's ratio to ``bf16`` (stock vLLM).
 """
 
 from __future__ import annotations
@@ -20,11 +21,8 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
-import random
 import statistics
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 from vllm_router_ext.plotting import pyplot
@@ -48,46 +46,38 @@ def build(root: Path, shape: str, weights: str) -> Path:
     return build_tiny_model(root / f"{shape}-{weights}", shape, fp8=weights == "fp8", config_overrides=SLICE)
 
 
-def _post(server: Server, body: dict, stream: bool = False) -> tuple[int, float]:
-    """(completion tokens, seconds to the first streamed chunk, or to the reply)."""
-    req = urllib.request.Request(
-        server.base_url + "/v1/completions",
-        data=json.dumps({"model": server.model_name(), **body, "stream": stream}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    start = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=300) as r:
-        if stream:
-            for line in r:
-                if line.startswith(b"data: {"):
-                    return 0, time.perf_counter() - start
-        reply = json.loads(r.read())
-    return reply["usage"]["completion_tokens"], time.perf_counter() - start
+def bench_serve(
+    server: Server, model: Path, *, clients: int, prompts: int, input_len: int, output_len: int, seed: int
+) -> dict:
+    """One run of vLLM's own serving benchmark (``vllm bench serve``, in this process) against
+    ``server``: random prompts of ``input_len`` tokens, ``output_len`` new tokens each, EOS ignored."""
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = [
+        "--backend", "vllm", "--base-url", server.base_url, "--model", str(model), "--tokenizer", str(model),
+        "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len",
+        str(output_len), "--random-range-ratio", "0", "--num-prompts", str(prompts), "--max-concurrency",
+        str(clients), "--ignore-eos", "--seed", str(seed), "--disable-tqdm", "--percentile-metrics",
+        "ttft,tpot,itl",
+    ]  # fmt: skip
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    result = bench_main(parser.parse_args(argv))
+    if result["completed"] != prompts or result["total_output_tokens"] != prompts * output_len:
+        raise RuntimeError(f"{server.base_url}: {result['completed']} of {prompts} requests completed")
+    return result
 
 
-def decode_tokens_per_s(server: Server, clients: int, max_tokens: int, rng: random.Random) -> float:
-    prompts = [[rng.randrange(2, 2000) for _ in range(16)] for _ in range(clients)]
-    body = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    start = time.perf_counter()
-    with cf.ThreadPoolExecutor(clients) as pool:
-        tokens = sum(t for t, _ in pool.map(lambda p: _post(server, {**body, "prompt": p}), prompts))
-    if tokens != clients * max_tokens:
-        raise RuntimeError(f"{server.base_url}: {tokens} tokens, expected {clients * max_tokens}")
-    return tokens / (time.perf_counter() - start)
-
-
-def ttft_ms(server: Server, rng: random.Random, repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        prompt = [rng.randrange(2, 2000) for _ in range(256)]
-        times.append(_post(server, {"prompt": prompt, "max_tokens": 2, "temperature": 0}, stream=True)[1])
-    return statistics.median(times) * 1e3
+MODELS: dict[tuple[str, str], Path] = {}
 
 
 def start_all(cases: list[tuple[str, str]], root: Path) -> dict[tuple[str, str, str], Server]:
     servers = {}
     for shape, weights in cases:
         model = build(root, shape, weights)
+        MODELS[(shape, weights)] = model
         for mode in MODES:
             work = root / f"{shape}-{weights}-{mode}"
             work.mkdir()
@@ -113,27 +103,37 @@ def run(args: argparse.Namespace) -> dict:
     root = Path(args.out) / "work"
     root.mkdir(parents=True, exist_ok=True)
     servers = start_all(cases, root)
-    rng = random.Random(0)
     rows = []
+
+    def measure(key: tuple[str, str, str], metric: str, seed: int) -> None:
+        server, model = servers[key], MODELS[key[:2]]
+        if metric == "ttft":
+            r = bench_serve(server, model, clients=1, prompts=8, input_len=256, output_len=4, seed=seed)
+            values = {"ttft_ms": r["median_ttft_ms"]}
+        else:
+            c = int(metric)
+            r = bench_serve(server, model, clients=c, prompts=max(4, 2 * c), input_len=16,
+                            output_len=args.max_tokens, seed=seed)  # fmt: skip
+            values = {f"tok_s@{c}": r["output_throughput"], f"tpot_ms@{c}": r["median_tpot_ms"]}
+        for name, value in values.items():
+            row = {"round": rnd, "shape": key[0], "weights": key[1], "mode": key[2], "metric": name,
+                   "value": value}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
     try:
-        for server in servers.values():  # warm-up: every batch size the rounds use
+        for key, server in servers.items():  # warm-up: every batch size the rounds use
             for c in conc:
-                decode_tokens_per_s(server, c, 16, rng)
+                bench_serve(
+                    server, MODELS[key[:2]], clients=c, prompts=c, input_len=16, output_len=8, seed=99
+                )
         for rnd in range(args.rounds):
             order = MODES[rnd % 3 :] + MODES[: rnd % 3]
             for shape, weights in cases:
-                for c in [*conc, "ttft"]:
+                for metric in [*map(str, conc), "ttft"]:
                     for mode in order:
-                        server = servers[(shape, weights, mode)]
-                        if c == "ttft":
-                            value = ttft_ms(server, rng)
-                        else:
-                            value = decode_tokens_per_s(server, c, args.max_tokens, rng)
-                        metric = "ttft_ms" if c == "ttft" else f"tok_s@{c}"
-                        row = {"round": rnd, "shape": shape, "weights": weights, "mode": mode,
-                               "metric": metric, "value": value}  # fmt: skip
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+                        measure((shape, weights, mode), metric, seed=rnd)
+            (root.parent / "e2e-rows.json").write_text(json.dumps(rows))  # kept if a later round fails
     finally:
         for server in servers.values():
             server.stop()
@@ -156,7 +156,7 @@ def summary(result: dict) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     metrics = sorted(
-        {r["metric"] for r in rows}, key=lambda m: (m == "ttft_ms", int(m.split("@")[-1]) if "@" in m else 0)
+        {r["metric"] for r in rows}, key=lambda m: (m.split("@")[0], int(m.split("@")[1]) if "@" in m else 0)
     )
     lines = [
         "| model | weights | mode | " + " | ".join(metrics) + " |",
@@ -168,7 +168,7 @@ def table(rows: list[dict]) -> str:
             cells = []
             for m in metrics:
                 r = by[(shape, weights, mode, m)]
-                unit = "ms" if m == "ttft_ms" else "tok/s"
+                unit = "tok/s" if m.startswith("tok_s") else "ms"
                 cells.append(f"{r['median']:.1f} {unit} ({r['vs_bf16']:.3f}×)")
             lines.append(f"| {shape} | {weights} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -188,8 +188,9 @@ def plot(rows: list[dict], path: Path) -> bool:
             ax.bar([j + (i - 1) * 0.27 for j in range(len(metrics))], vals, width=0.27, label=mode)
         ax.axhline(0.99, color="k", ls="--", lw=1, label="0.99× (target for tok/s)")
         ax.set_xticks(range(len(metrics)), metrics, rotation=20)
-        ax.set_ylim(0.9, 1.1)
-        ax.set_ylabel("median / stock bf16")
+        ratios = [r["vs_bf16"] for r in rows]
+        ax.set_ylim(min(0.9, min(ratios) - 0.02), max(1.1, max(ratios) + 0.02))
+        ax.set_ylabel("median / stock bf16 (tok/s: higher is better; ms: lower)")
         ax.set_title(f"{shape} ({weights} weights)")
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -353,3 +353,23 @@ def test_each_data_parallel_engine_core_writes_its_own_numbered_file(vllm_dist, 
     model.gate.weight_loader(model.gate.weight, torch.randn(4, 32, generator=gen).to(torch.bfloat16))
     model.gate(torch.randn(3, 32, generator=gen).to(torch.bfloat16))
     assert recorder.done and json.loads(recorder.path.with_suffix(".json").read_text())["complete"]
+
+
+def test_passes_outside_the_runners_scheduled_step_are_not_recorded(vllm_dist, monkeypatch):
+    """vLLM's GPU warm-up and autotune passes carry attention metadata too; only the forward of
+    the model runner's ``execute_model`` (a scheduled step) is recorded."""
+    runner = pytest.importorskip("vllm.v1.worker.gpu_model_runner", reason="vLLM's model runner")
+    import vllm.forward_context as fc
+
+    import vllm_router_ext.capture as c
+
+    seen = []
+    monkeypatch.setattr(runner.GPUModelRunner, "execute_model", lambda self: seen.append(c._serving_pass()))
+    monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
+    monkeypatch.setattr(fc, "get_forward_context", lambda: SimpleNamespace(attn_metadata={"layer": 0}))
+    assert c._serving_pass()  # untracked: attention metadata decides
+    assert c.track_scheduled_steps() and c.track_scheduled_steps()  # idempotent: wrapped once
+    assert not c._serving_pass()  # a warm-up pass: metadata, no scheduled step
+    runner.GPUModelRunner.execute_model(None)
+    runner.GPUModelRunner.execute_model.__wrapped__(None)  # the runner's own, unwrapped: not a step
+    assert seen == [True, False] and not c._serving_pass()

@@ -279,7 +279,8 @@ def test_capture_on_the_gpu_server_is_kept_at_sigterm_and_the_audit_reads_it(ser
     server = servers.get(spec)
     capture = server.log_path.parent / "capture"
     path = capture / "router-capture-1-dp0.safetensors"
-    seen = _tap(server, tmp_path, lambda: [_complete(server, f"def f{i}(x):\n    return", 4) for i in range(3)])
+    prompts = [f"def f{i}(x):\n    return" for i in range(3)]
+    seen = _tap(server, tmp_path, lambda: [_complete(server, p, 4) for p in prompts])
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(120) == 0
     wrote = [ln for ln in server.log().splitlines() if "wrote the router capture" in ln]

@@ -31,6 +31,7 @@ eager mode (``--enforce-eager``). A failed write is logged and serving goes on.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -414,11 +415,44 @@ def layer_index(gate_prefix: str) -> int:
     return int(m.group(1))
 
 
+_STEP = threading.local()  # .on: inside the model runner's execute_model
+_STEP_MARK = "_vllm_router_ext_step_tracking"
+
+
+def track_scheduled_steps() -> bool:
+    """Mark the forward passes vLLM's model runner runs for scheduled requests (its
+    ``execute_model``): warm-up, profiling and autotune passes run outside it, some with attention
+    metadata. Idempotent; False where the runner cannot be found (attention metadata decides)."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return False
+    original = GPUModelRunner.execute_model
+    if getattr(original, _STEP_MARK, False):
+        return True
+
+    @functools.wraps(original)
+    def execute_model(self, *args, **kwargs):
+        outer = getattr(_STEP, "on", False)
+        _STEP.on = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _STEP.on = outer
+
+    setattr(execute_model, _STEP_MARK, True)
+    GPUModelRunner.execute_model = execute_model
+    return True
+
+
 def _serving_pass() -> bool:
-    """Whether this forward pass runs scheduled requests: vLLM gives those attention metadata;
-    its warm-up, profiling and data-parallel padding passes run without."""
+    """Whether this forward pass runs scheduled requests: inside the runner's ``execute_model``
+    (when tracked) and with attention metadata (data-parallel padding passes run without)."""
     try:
         from vllm.forward_context import get_forward_context, is_forward_context_available
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError:
         return True
+    if getattr(GPUModelRunner.execute_model, _STEP_MARK, False) and not getattr(_STEP, "on", False):
+        return False
     return is_forward_context_available() and get_forward_context().attn_metadata is not None

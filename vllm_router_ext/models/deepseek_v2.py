@@ -146,7 +146,15 @@ def _attach_capture(model, vllm_config, settings: RouterSettings, capture) -> No
     from vllm.distributed import get_tensor_model_parallel_rank
 
     import vllm_router_ext
-    from vllm_router_ext.capture import GateCapture, GateShape, check_budget, layer_index, next_run, size_text
+    from vllm_router_ext.capture import (
+        GateCapture,
+        GateShape,
+        check_budget,
+        layer_index,
+        next_run,
+        size_text,
+        track_scheduled_steps,
+    )
 
     if get_tensor_model_parallel_rank() != 0:
         return
@@ -168,6 +176,7 @@ def _attach_capture(model, vllm_config, settings: RouterSettings, capture) -> No
         "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size,
     }
     recorder = GateCapture(capture, shapes, f"router-capture-{run}-dp{dp_rank}", meta)
+    track_scheduled_steps()  # warm-up and autotune passes are not recorded
     for gate in gates:
         gate.attach_capture(recorder)
     # Runs when the model is garbage-collected, and at a normal exit of this process (fork or spawn).
