@@ -1,7 +1,7 @@
 """What exact routing costs in a served model: decode tokens/s and time to first token through real
 CUDA vLLM (compile + CUDA graphs, vLLM's defaults), one server per router precision, side by side.
 
-    python benchmarks/e2e_serve.py --out e2e-out [--shapes deepseek-v3,kimi-k2] [--weights bf16,fp8]
+    python benchmarks/e2e_serve.py --out e2e-out [--cases deepseek-v3:bf16,deepseek-v3:fp8,kimi-k2:bf16]
         [--rounds 3] [--concurrency 1,8,64] [--max-tokens 128]
 
 Models: slices of the real ones with random weights (hidden 7168, DeepSeek's MLA sizes, 16 heads,
@@ -98,7 +98,10 @@ def start_all(cases: list[tuple[str, str]], root: Path) -> dict[tuple[str, str, 
 
 
 def run(args: argparse.Namespace) -> dict:
-    cases = [(s, w) for s in args.shapes.split(",") for w in args.weights.split(",")]
+    cases = [tuple(c.split(":")) for c in args.cases.split(",")]
+    bad = [c for c in cases if len(c) != 2 or c[1] not in ("bf16", "fp8")]
+    if bad:
+        raise SystemExit(f"--cases: {bad} are not PRESET:bf16 or PRESET:fp8")
     conc = [int(c) for c in args.concurrency.split(",")]
     root = Path(args.out) / "work"
     root.mkdir(parents=True, exist_ok=True)
@@ -204,11 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--out", metavar="DIR", default="e2e-out", help="where e2e.json and e2e.png go (default: %(default)s)"
     )
-    p.add_argument("--shapes", metavar="NAMES", default="deepseek-v3,kimi-k2",
-                   help="routing presets of the slices (default: %(default)s)")  # fmt: skip
-    p.add_argument(
-        "--weights", metavar="KINDS", default="bf16,fp8", help="bf16 and/or fp8 (default: %(default)s)"
-    )
+    p.add_argument("--cases", metavar="LIST", default="deepseek-v3:bf16,deepseek-v3:fp8,kimi-k2:bf16",
+                   help="slices as ROUTING_PRESET:bf16|fp8 (default: %(default)s)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="rounds, modes taking turns (default: %(default)s)")
     p.add_argument(
         "--concurrency", metavar="LIST", default="1,8,64", help="clients at once (default: %(default)s)"
