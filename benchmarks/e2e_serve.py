@@ -172,7 +172,7 @@ def table(rows: list[dict]) -> str:
             for m in metrics:
                 r = by[(shape, weights, mode, m)]
                 unit = "tok/s" if m.startswith("tok_s") else "ms"
-                cells.append(f"{r['median']:.1f} {unit} ({r['vs_bf16']:.3f}×)")
+                cells.append(f"{r['median']:.1f} {unit} ({r['vs_bf16']:.2f}×; {r['min']:.1f}-{r['max']:.1f})")
             lines.append(f"| {shape} | {weights} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -188,13 +188,19 @@ def plot(rows: list[dict], path: Path) -> bool:
         for i, mode in enumerate(MODES):
             vals = [next(r["vs_bf16"] for r in rows if (r["shape"], r["weights"], r["mode"], r["metric"]) ==
                          (shape, weights, mode, m)) for m in metrics]  # fmt: skip
-            ax.bar([j + (i - 1) * 0.27 for j in range(len(metrics))], vals, width=0.27, label=mode)
+            picked = [next(r for r in rows if (r["shape"], r["weights"], r["mode"], r["metric"]) ==
+                           (shape, weights, mode, m)) for m in metrics]  # fmt: skip
+            base = [r["median"] / r["vs_bf16"] for r in picked]
+            spread = [[v - r["min"] / b for v, r, b in zip(vals, picked, base, strict=True)],
+                      [r["max"] / b - v for v, r, b in zip(vals, picked, base, strict=True)]]  # fmt: skip
+            ax.bar([j + (i - 1) * 0.27 for j in range(len(metrics))], vals, width=0.27, label=mode,
+                   yerr=spread, capsize=2, error_kw={"lw": 0.8})  # fmt: skip
         ax.axhline(0.99, color="k", ls="--", lw=1, label="0.99× (target for tok/s)")
         ax.set_xticks(range(len(metrics)), metrics, rotation=20)
-        ratios = [r["vs_bf16"] for r in rows]
+        ratios = [r[k] / (r["median"] / r["vs_bf16"]) for r in rows for k in ("min", "max")]
         ax.set_ylim(min(0.9, min(ratios) - 0.02), max(1.1, max(ratios) + 0.02))
-        ax.set_ylabel("median / stock bf16 (tok/s: higher is better; ms: lower)")
-        ax.set_title(f"{shape} ({weights} weights)")
+        ax.set_ylabel("median / stock bf16's median")
+        ax.set_title(f"{shape} ({weights} weights); bars: min-max of rounds")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -216,10 +222,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--max-tokens", type=int, default=128, help="new tokens per request (default: %(default)s)"
     )
+    p.add_argument("--render", metavar="JSON", default=None,
+                   help="print the table and draw the plot of a saved e2e.json (default: run)")  # fmt: skip
     args = p.parse_args(argv)
+    out = Path(args.out)
+    if args.render:
+        result = json.loads(Path(args.render).read_text())
+        out.mkdir(parents=True, exist_ok=True)
+        print(table(result["summary"]))
+        plot(result["summary"], out / "e2e.png")
+        return 0
     result = run(args)
     result["summary"] = summary(result)
-    out = Path(args.out)
     (out / "e2e.json").write_text(json.dumps(result, indent=1))
     print(table(result["summary"]))
     plot(result["summary"], out / "e2e.png")

@@ -356,20 +356,37 @@ def test_each_data_parallel_engine_core_writes_its_own_numbered_file(vllm_dist, 
 
 
 def test_passes_outside_the_runners_scheduled_step_are_not_recorded(vllm_dist, monkeypatch):
-    """vLLM's GPU warm-up and autotune passes carry attention metadata too; only the forward of
-    the model runner's ``execute_model`` (a scheduled step) is recorded."""
-    runner = pytest.importorskip("vllm.v1.worker.gpu_model_runner", reason="vLLM's model runner")
+    """vLLM's GPU warm-up and autotune passes carry attention metadata too: only the forward of a
+    model runner's ``execute_model`` for a client's requests is recorded, not its dummy runs or
+    the steps of its ``_warmup`` requests (V1 runner and, where it imports, V2)."""
+    import importlib
+
     import vllm.forward_context as fc
 
     import vllm_router_ext.capture as c
 
+    runners = []
+    for name in c.RUNNERS:
+        try:
+            runners.append(importlib.import_module(name).GPUModelRunner)
+        except ImportError:
+            continue
+    assert runners, "no vLLM model runner imports"
     seen = []
-    monkeypatch.setattr(runner.GPUModelRunner, "execute_model", lambda self: seen.append(c._serving_pass()))
+    for runner in runners:
+        monkeypatch.setattr(runner, "execute_model", lambda self, out, **kw: seen.append(c._serving_pass()))
     monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
     monkeypatch.setattr(fc, "get_forward_context", lambda: SimpleNamespace(attn_metadata={"layer": 0}))
     assert c._serving_pass()  # untracked: attention metadata decides
     assert c.track_scheduled_steps() and c.track_scheduled_steps()  # idempotent: wrapped once
-    assert not c._serving_pass()  # a warm-up pass: metadata, no scheduled step
-    runner.GPUModelRunner.execute_model(None)
-    runner.GPUModelRunner.execute_model.__wrapped__(None)  # the runner's own, unwrapped: not a step
-    assert seen == [True, False] and not c._serving_pass()
+    assert not c._serving_pass()  # a pass outside any step
+    client = SimpleNamespace(num_scheduled_tokens={"cmpl-7f3a-0": 5})
+    warmup = SimpleNamespace(num_scheduled_tokens={"_warmup_0_": 1, "_v2_mixed_warmup_decode_": 1})
+    for runner in runners:
+        seen.clear()
+        runner.execute_model(None, client)
+        runner.execute_model(None, client, dummy_run=True)
+        runner.execute_model(None, warmup)
+        runner.execute_model.__wrapped__(None, client)  # the runner's own, unwrapped: not a step
+        assert seen == [True, False, False, False], runner
+    assert not c._serving_pass()

@@ -335,3 +335,43 @@ def test_every_option_of_the_commands_explains_itself(module):
     text = " ".join(parser.format_help().split())  # unwrapped
     assert "default: None" not in text and "default: False" not in text
     assert text.count("(default: ") >= 4
+
+
+def test_e2e_benchmark_summarises_and_renders_a_saved_run(tmp_path):
+    """The end-to-end benchmark's tables and plot, from rounds it saved (the run itself needs CUDA
+    vLLM): medians per mode, ratios to stock bf16's median, min-max over rounds."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("e2e_serve", REPO / "benchmarks/e2e_serve.py")
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    values = {"bf16": [100.0, 90.0, 110.0], "bf16-fp32out": [99.0, 101.0, 80.0], "fp32": [120.0, 95.0, 50.0]}
+    rows = [
+        {"round": i, "shape": "deepseek-v3", "weights": "fp8", "mode": mode, "metric": "tok_s@8", "value": v}
+        for mode, vs in values.items()
+        for i, v in enumerate(vs)
+    ]
+    summary = {r["mode"]: r for r in e2e.summary({"rows": rows})}
+    assert summary["bf16"]["median"] == 100.0 and summary["bf16"]["vs_bf16"] == 1.0
+    assert summary["fp32"]["median"] == 95.0 and summary["fp32"]["vs_bf16"] == 0.95
+    assert (summary["fp32"]["min"], summary["fp32"]["max"]) == (50.0, 120.0)
+    text = e2e.table(list(summary.values()))
+    assert "| deepseek-v3 | fp8 | fp32 | 95.0 tok/s (0.95×; 50.0-120.0) |" in text
+    saved = REPO / "benchmarks/results/e2e-h200-d0d43c4.json"
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks/e2e_serve.py"),
+            "--render",
+            str(saved),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("| kimi-k2 | bf16 |") == 3 and "(1.00×" in p.stdout
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "e2e.png").stat().st_size > 1000

@@ -12,6 +12,9 @@ EXERCISED = {
     # GPU tools: their CLIs are tested here; the runs themselves on the H200 (docs/benchmarks.md).
     "python -m vllm_router_ext.bench": "tests/test_cli_tools.py::test_bench_and_tune_help",
     "python benchmarks/tune.py": "tests/test_cli_tools.py::test_bench_and_tune_help",
+    "python benchmarks/e2e_serve.py": (
+        "tests/test_cli_tools.py::test_e2e_benchmark_summarises_and_renders_a_saved_run"
+    ),
     "python benchmarks/render_tables.py": (
         "tests/test_cli_tools.py::test_render_tables_prints_each_shape_with_cublas_and_peer_ratios_and_plots"
     ),
@@ -55,9 +58,9 @@ def test_the_named_tests_exist():
     root = Path(__file__).resolve().parents[1]
     for where in EXERCISED.values():
         if where.startswith("CI"):
-            assert (root / ".ci/run").exists() and "setup_cpu_env.sh" in (
-                root / "scripts/test.sh"
-            ).read_text(encoding="utf-8")
+            assert (root / ".ci/run").exists() and "setup_cpu_env.sh" in (root / "scripts/test.sh").read_text(
+                encoding="utf-8"
+            )
             continue
         path, name = where.split(" ")[0].split("::")
         assert f"def {name}(" in (root / path).read_text(encoding="utf-8"), where

@@ -415,44 +415,69 @@ def layer_index(gate_prefix: str) -> int:
     return int(m.group(1))
 
 
-_STEP = threading.local()  # .on: inside the model runner's execute_model
+_STEP = threading.local()  # .on: inside a model runner's execute_model for scheduled requests
 _STEP_MARK = "_vllm_router_ext_step_tracking"
+#: vLLM's model runners: V1 (the CPU platform's, and CUDA's when asked) and V2 (CUDA's default).
+RUNNERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner")
+
+
+def _scheduled_requests(scheduler_output: Any) -> bool:
+    """Whether a step runs requests a client sent: vLLM names its warm-up requests ``_warmup...``."""
+    ids = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    return any(not str(req_id).startswith("_") for req_id in ids)
 
 
 def track_scheduled_steps() -> bool:
-    """Mark the forward passes vLLM's model runner runs for scheduled requests (its
-    ``execute_model``): warm-up, profiling and autotune passes run outside it, some with attention
-    metadata. Idempotent; False where the runner cannot be found (attention metadata decides)."""
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError:
-        return False
-    original = GPUModelRunner.execute_model
-    if getattr(original, _STEP_MARK, False):
-        return True
+    """Mark the forward passes vLLM's model runners run for scheduled requests (``execute_model``
+    of a client's requests): warm-up, profiling and autotune passes run outside it, as dummy runs
+    or with warm-up requests, some with attention metadata. Idempotent; False where no runner can
+    be found (attention metadata decides then)."""
+    import importlib
 
-    @functools.wraps(original)
-    def execute_model(self, *args, **kwargs):
-        outer = getattr(_STEP, "on", False)
-        _STEP.on = True
+    found = False
+    for module_name in RUNNERS:
         try:
-            return original(self, *args, **kwargs)
-        finally:
-            _STEP.on = outer
+            runner = importlib.import_module(module_name).GPUModelRunner
+        except (ImportError, AttributeError):
+            continue
+        found = True
+        original = runner.execute_model
+        if getattr(original, _STEP_MARK, False):
+            continue
 
-    setattr(execute_model, _STEP_MARK, True)
-    GPUModelRunner.execute_model = execute_model
-    return True
+        def execute_model(self, scheduler_output=None, *args, _original=original, **kwargs):
+            outer = getattr(_STEP, "on", None)
+            _STEP.on = not kwargs.get("dummy_run", False) and _scheduled_requests(scheduler_output)
+            try:
+                return _original(self, scheduler_output, *args, **kwargs)
+            finally:
+                _STEP.on = outer
+
+        functools.update_wrapper(execute_model, original)
+        setattr(execute_model, _STEP_MARK, True)
+        runner.execute_model = execute_model
+    return found
 
 
 def _serving_pass() -> bool:
-    """Whether this forward pass runs scheduled requests: inside the runner's ``execute_model``
-    (when tracked) and with attention metadata (data-parallel padding passes run without)."""
+    """Whether this forward pass runs scheduled requests: inside a runner's ``execute_model`` for
+    them (once tracked) and with attention metadata (data-parallel padding passes run without)."""
     try:
         from vllm.forward_context import get_forward_context, is_forward_context_available
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError:
         return True
-    if getattr(GPUModelRunner.execute_model, _STEP_MARK, False) and not getattr(_STEP, "on", False):
+    step = getattr(_STEP, "on", None)
+    if step is False or (step is None and _tracking()):
         return False
     return is_forward_context_available() and get_forward_context().attn_metadata is not None
+
+
+def _tracking() -> bool:
+    import sys
+
+    return any(
+        getattr(getattr(sys.modules.get(m), "GPUModelRunner", None), "execute_model", None) is not None
+        and getattr(sys.modules[m].GPUModelRunner.execute_model, _STEP_MARK, False)
+        for m in RUNNERS
+        if m in sys.modules
+    )
