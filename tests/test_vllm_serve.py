@@ -181,6 +181,7 @@ def test_serve_help_lists_the_flags(tmp_path):
     assert "--router-batch-invariant" in p.stdout
     assert "--router-capture DIR" in p.stdout and "--router-capture-tokens N" in p.stdout
     ours = p.stdout[p.stdout.index("vllm-router-ext:") :].split("When passing JSON")[0]
+    ours = " ".join(ours.split())  # as one line: the wrapping follows the terminal's width
     assert "default: None" not in ours  # each flag's help names its real default instead
     assert "auto (default)" in ours and "default 4096" in ours and "Default: off" in ours
     assert "Default: no capture" in ours
