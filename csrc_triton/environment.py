@@ -7,8 +7,7 @@
 - ``VLLM_ROUTER_CAPTURE_DIR`` / ``VLLM_ROUTER_CAPTURE_TOKENS``: record the gates' inputs into that
   directory, that many tokens per gate (default 4096); unset = no capture.
   ``VLLM_ROUTER_CAPTURE_MEMORY_LIMIT_GIB``: the most host memory a capture may need (default a
-  quarter of the host's); ``VLLM_ROUTER_CAPTURE_CHUNK_TOKENS``: rows per gate in each chunk file
-  (default: about 64 MiB a chunk). Read when a model is built.
+  quarter of the host's). Read when a model is built.
 - ``VLLM_ROUTER_EXT_TABLE``: the tuned kernel table: ``none`` (the heuristic), a shipped table's
   name (``nvidia_h200``) or a JSON path; unset = the GPU's own table. Read once per process.
 - ``VLLM_ROUTER_EXT_PDL``: ``0`` launches the K-split sums plainly instead of with programmatic
@@ -29,7 +28,6 @@ BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"
 CAPTURE_DIR = "VLLM_ROUTER_CAPTURE_DIR"
 CAPTURE_TOKENS = "VLLM_ROUTER_CAPTURE_TOKENS"
 CAPTURE_MEMORY_LIMIT = "VLLM_ROUTER_CAPTURE_MEMORY_LIMIT_GIB"
-CAPTURE_CHUNK_TOKENS = "VLLM_ROUTER_CAPTURE_CHUNK_TOKENS"
 TABLE = "VLLM_ROUTER_EXT_TABLE"
 PDL = "VLLM_ROUTER_EXT_PDL"
 INTERPRET = "TRITON_INTERPRET"
@@ -49,7 +47,7 @@ def batch_invariant() -> bool:
 
 def capture() -> dict[str, str]:
     """The capture variables that are set ({name: value})."""
-    names = (CAPTURE_DIR, CAPTURE_TOKENS, CAPTURE_MEMORY_LIMIT, CAPTURE_CHUNK_TOKENS)
+    names = (CAPTURE_DIR, CAPTURE_TOKENS, CAPTURE_MEMORY_LIMIT)
     return {name: os.environ[name] for name in names if name in os.environ}
 
 

@@ -3,12 +3,30 @@ no engine and run on every supported vLLM; the ``vllm``-marked ones serve on the
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import subprocess
 
 import pytest
 import torch
 
 from vllm_router_ext.testing.server import cpu_env, omp_threads_bind, precision_lines, serve, vllm_command
+
+
+@contextlib.contextmanager
+def _cli_warnings():
+    """The WARNING messages of the plugin's CLI logger while the block runs (filled at its end)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.vllm_router_ext.cli")
+    logger.addHandler(handler)
+    messages: list[str] = []
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        messages += [r.getMessage() for r in records if r.levelno == logging.WARNING]
 
 
 @pytest.mark.vllm
@@ -190,24 +208,15 @@ def test_serve_help_lists_the_flags(tmp_path):
 
 def test_capture_tokens_without_a_capture_directory_warns_once():
     import argparse
-    import logging
 
     from vllm_router_ext.cli import add_router_cli_args, apply_router_cli_args
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.vllm_router_ext.cli")
-    logger.addHandler(handler)
-    try:
+    with _cli_warnings() as messages:
         parser = add_router_cli_args(argparse.ArgumentParser())
         engine_args = argparse.Namespace(additional_config={})
         apply_router_cli_args(engine_args, parser.parse_args(["--router-capture-tokens", "64"]))
         assert engine_args.additional_config == {"router_capture_tokens_cli": 64}
         apply_router_cli_args(engine_args, parser.parse_args([]))  # nothing set: no flag, no warning
-    finally:
-        logger.removeHandler(handler)
-    messages = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert messages == [
         "vllm-router-ext: --router-capture-tokens 64 does nothing without --router-capture DIR"
     ]
@@ -234,7 +243,6 @@ def test_demo_main_job(tmp_path):
 def test_settings_for_a_model_the_plugin_does_not_cover_warn_once_naming_them(tmp_path, monkeypatch):
     """``vllm serve Qwen3-MoE --router-precision fp32 --router-capture DIR``: the plugin owns no
     router there, so one warning names the model and every setting that changes nothing."""
-    import logging
     from types import SimpleNamespace
 
     from vllm_router_ext.cli import warn_unless_covered
@@ -246,12 +254,7 @@ def test_settings_for_a_model_the_plugin_does_not_cover_warn_once_naming_them(tm
         hf = SimpleNamespace(architectures=[arch])
         return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf), additional_config=extra)
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.vllm_router_ext.cli")
-    logger.addHandler(handler)
-    try:
+    with _cli_warnings() as messages:
         extra = {
             "router_precision_cli": "fp32",
             "router_batch_invariant_cli": True,
@@ -260,9 +263,6 @@ def test_settings_for_a_model_the_plugin_does_not_cover_warn_once_naming_them(tm
         text = warn_unless_covered(config("Qwen3MoeForCausalLM", extra))
         assert warn_unless_covered(config("DeepseekV3ForCausalLM", extra)) is None  # covered: used
         assert warn_unless_covered(config("Qwen3MoeForCausalLM", {})) is None  # nothing set
-    finally:
-        logger.removeHandler(handler)
-    messages = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert messages == [text]
     assert "router precision fp32 (from --router-precision)" in text
     assert "router batch invariance (from --router-batch-invariant)" in text

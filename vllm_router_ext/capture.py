@@ -286,7 +286,7 @@ def _layout(gates: list[GateShape], rows: int) -> tuple[dict[str, int], bytes]:
         for key, dtype, width in (
             (f"layers.{g.layer}", g.dtype, g.hidden),
             (f"logits.{g.layer}", torch.float32, g.experts),
-        ):  # noqa: E501
+        ):
             size = rows * width * dtype.itemsize
             header[key] = {"dtype": _DTYPES[dtype], "shape": [rows, width], "data_offsets": [at, at + size]}
             relative[key], at = at, at + size
