@@ -17,30 +17,24 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from csrc_triton.configs import (  # noqa: E402
-    CONFIG_DIR,
-    FP32_MAX_BLOCK_K,
-    PARAM_KEYS,
-    KernelConfig,
-    bucket_for,
-    clear_table_cache,
-    device_key,
-    fp32_promote_chunks,
-    one_chain_split,
-    pipelined_splitk_config,
-    split_sum_variants,
-    splitk_config,
-    table_override,
-    wgmma_ws_config,
-    wgmma_ws_k_per_split,
-    wgmma_ws_tiles,
+from csrc_triton.launches import (  # noqa: E402
+    CublasLaunch,
+    GemvLaunch,
+    KernelLaunch,
+    TiledLaunch,
+    describe,
+    fields,
+    from_bucket,
+    to_bucket,
 )
+from csrc_triton.tables import CONFIG_DIR, bucket_for, clear_table_cache, device_key, table_override  # noqa: E402
 from vllm_router_ext.benchmarking import (  # noqa: E402
     M_LIST,
     SHAPES,
@@ -49,7 +43,17 @@ from vllm_router_ext.benchmarking import (  # noqa: E402
     time_rotated,
     time_rotated_into,
 )
-from vllm_router_ext.ops.dispatch import dot_mode_for, run_config  # noqa: E402
+from vllm_router_ext.ops.choice import (  # noqa: E402
+    FP32_MAX_BLOCK_K,
+    fp32_promote_chunks,
+    one_chain_split,
+    split_sum_variants,
+    splitk,
+    wgmma_ws,
+    wgmma_ws_k_per_split,
+    wgmma_ws_tiles,
+)
+from vllm_router_ext.ops.dispatch import launch_into  # noqa: E402
 
 #: The M a full tune times: the benchmark's list and, between its 128, 256 and 512 tokens, 192 and
 #: 384 (other configs won inside those buckets, e.g. Kimi-K2 bf16-fp32out at 192
@@ -89,7 +93,7 @@ BIG_SPLITK = [  # (block_m, block_n, k_per_split, num_warps): software-pipelined
 ]
 #: Pipelined split-K with 128-wide chunks (the fp32 mode's winner at 256 tokens in the promotion
 #: probe, below cuBLAS bf16; in bf16-fp32out cuBLAS still won at 128-512 tokens on DeepSeek-V3 and
-#: Kimi-K2: tune-h200-d8edcfa-bf16-bk128.log); in the fp32 mode two chunks per stage, so only 64x64
+#: Kimi-K2, benchmarks/NOTES.md); in the fp32 mode two chunks per stage, so only 64x64
 #: tiles fit three stages and 128x64 / 64x128 two. (block_m, block_n, k_per_split, num_warps, stages)
 BIG_SPLITK_BK128 = [
     (64, 64, 256, 4, 3),
@@ -102,7 +106,7 @@ BIG_SPLITK_BK128 = [
 ]
 #: fp32 mode only, from 1024 tokens: one program per tile, flat pipelined loop over K, the promoted
 #: chains added per split of 512 (the batch-invariant large-M kernel: at 2048-4096 tokens it beat
-#: the non-invariant fp32 configs in tune-h200-0e776fd-fp32.log, and at 16384 the tiled kernel in
+#: the non-invariant fp32 configs, and at 16384 the tiled kernel in
 #: the benchmark: 129 vs 138 µs). (block_m, block_n, num_warps)
 IN_PROGRAM_FP32 = [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8)]
 TILED = [  # (block_m, block_n, block_k, num_warps, num_stages)
@@ -117,17 +121,7 @@ TILED = [  # (block_m, block_n, block_k, num_warps, num_stages)
 ]
 
 
-def gemv_params(block_m: int, block_n: int, num_warps: int, maxnreg: int = 0, copy_stages: int = 0) -> dict:
-    """A one-split GEMV config's parameters; the launch options only where they are set."""
-    params = dict(block_m=block_m, block_n=block_n, k_per_split=0, num_warps=num_warps)
-    if maxnreg:
-        params["maxnreg"] = maxnreg
-    if copy_stages:
-        params["copy_stages"] = copy_stages
-    return params
-
-
-def gemv_candidates(m: int) -> list[KernelConfig]:
+def gemv_candidates(m: int) -> list[KernelLaunch]:
     """Each (block_m, block_n, num_warps) plainly, with ptxas given the whole register file (every
     load issued before the first FMA) and, at 4 warps, with every chunk copied ahead through shared
     memory (cp.async)."""
@@ -137,93 +131,79 @@ def gemv_candidates(m: int) -> list[KernelConfig]:
         for bn, warps in GEMV_SHAPES:
             if bm * bn > 16 or (warps != 4 and bm * bn > 2):
                 continue
-            out.append(KernelConfig("gemv", gemv_params(bm, bn, warps)))
+            out.append(GemvLaunch(bm, bn, warps))
             if warps <= 8:
-                out.append(KernelConfig("gemv", gemv_params(bm, bn, warps, maxnreg=GEMV_MAXNREG)))
+                out.append(GemvLaunch(bm, bn, warps, maxnreg=GEMV_MAXNREG))
             if warps == 4:
-                out.append(KernelConfig("gemv", gemv_params(bm, bn, warps, copy_stages=GEMV_COPY_STAGES)))
+                out.append(GemvLaunch(bm, bn, warps, copy_stages=GEMV_COPY_STAGES))
     return out
 
 
-def splitk_candidates(m: int, mode: str) -> list[KernelConfig]:
+def splitk_candidates(m: int, mode: str) -> list[KernelLaunch]:
+    fp32 = mode == "fp32"
     out = []
     if m <= 512:
         block_ms = sorted({min(64, max(16, 1 << (m - 1).bit_length())), 16 if m <= 64 else 64})
         out += [
-            splitk_config(block_m, block_n, block_k, kps, mode, warps)
+            splitk(block_m, block_n, block_k, kps, fp32, warps)
             for block_m in block_ms
             for block_n, kps, block_k, warps in SPLITK_SHAPES
         ]
     if m >= 128:
         out += [
-            _pipelined(pipelined_splitk_config(bm, bn, kps, mode, warps)) for bm, bn, kps, warps in BIG_SPLITK
+            _pipelined(splitk(bm, bn, 64, kps, fp32, warps, num_stages=3))
+            for bm, bn, kps, warps in BIG_SPLITK
         ]
         out += [
-            _pipelined(pipelined_splitk_config(bm, bn, kps, mode, warps, block_k=128, num_stages=stages))
+            _pipelined(splitk(bm, bn, 128, kps, fp32, warps, num_stages=stages))
             for bm, bn, kps, warps, stages in BIG_SPLITK_BK128
         ]
     if mode == "fp32" and m >= 1024:
         out += [
-            splitk_config(bm, bn, 128, 512, mode, warps, num_stages=3, splits_in_program=True)
+            splitk(bm, bn, 128, 512, fp32, warps, num_stages=3, splits_in_program=True)
             for bm, bn, warps in IN_PROGRAM_FP32
         ]
     return list(dict.fromkeys(out))  # the fp32 mode caps BLOCK_K: some shapes coincide
 
 
-def _pipelined(cfg: KernelConfig) -> KernelConfig:
+def _pipelined(cfg: KernelLaunch) -> KernelLaunch:
     """A pipelined split-K candidate as it can win: its split sum a second launch with PDL (with
     the one-launch ticket these tiles measured up to 1.4x slower, 19.3 vs 13.5 µs,
     too slow to reach the :data:`REFINED` few whose launch forms are compared), and a split that
     is one MMA chain (bf16-fp32out, or an fp32 split as long as one promoted chain) looped over
     its chunks (``flat_chain``; unrolled, nothing is left to pipeline). bf16-fp32out's
     128-512-token buckets had kept cuBLAS for both reasons; with them split-K beat it by up to 1.3x."""
-    params = {**cfg.params, "ticket": False, "pdl": True}
-    if one_chain_split(cfg):
-        params["flat_chain"] = True
-    return KernelConfig(cfg.kernel, params)
+    return replace(cfg, ticket=False, pdl=True, flat_chain=one_chain_split(cfg))
 
 
-def tiled_candidates(m: int, mode: str) -> list[KernelConfig]:
+def tiled_candidates(m: int, mode: str) -> list[KernelLaunch]:
     out = []
     for block_m, block_n, block_k, warps, stages in TILED:
         if block_m > 64 and m <= 64:
             continue
-        out.append(
-            KernelConfig(
-                "tiled",
-                dict(
-                    block_m=block_m,
-                    block_n=block_n,
-                    block_k=block_k,
-                    promote_chunks=fp32_promote_chunks(block_k) if mode == "fp32" else 0,
-                    group_m=8,
-                    num_warps=warps,
-                    num_stages=stages,
-                ),
-            )
-        )
+        promote = fp32_promote_chunks(block_k) if mode == "fp32" else 0
+        out.append(TiledLaunch(block_m, block_n, block_k, promote, num_warps=warps, num_stages=stages))
     return out
 
 
-def _check(cfg: KernelConfig, x, w, mode: str) -> bool:
+def _check(cfg: KernelLaunch, x, w, mode: str) -> bool:
     out = torch.full((x.shape[0], w.shape[0]), float("nan"), device="cuda")
     try:
-        res = run_config(cfg, x, w, out, dot_mode_for(x.dtype, w.dtype))
+        res = launch_into(cfg, x, w, out)
     except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
-        print(f"    skip {cfg.describe()}: {type(e).__name__}: {str(e)[:120]}")
+        print(f"    skip {describe(cfg)}: {type(e).__name__}: {str(e)[:120]}")
         return False
     ref = x.double() @ w.double().T
     rel = ((res.double() - ref).norm() / ref.norm()).item()
     limit = 1e-6 if mode == "fp32" else 1e-5
     if not rel <= limit:
-        print(f"    reject {cfg.describe()}: rel err {rel:.2e} > {limit:.0e}")
+        print(f"    reject {describe(cfg)}: rel err {rel:.2e} > {limit:.0e}")
         return False
     return True
 
 
-def time_config(cfg: KernelConfig, xs, ws, mode: str) -> float:
-    dot_mode = dot_mode_for(xs[0].dtype, ws[0].dtype)
-    return time_rotated_into(lambda x, w, o: run_config(cfg, x, w, o, dot_mode), xs, ws, warmup=10, rep=40)
+def time_config(cfg: KernelLaunch, xs, ws, mode: str) -> float:
+    return time_rotated_into(lambda x, w, o: launch_into(cfg, x, w, o), xs, ws, warmup=10, rep=40)
 
 
 #: How many of the fastest candidates at an M get their split-sum launch forms timed: a config
@@ -231,49 +211,48 @@ def time_config(cfg: KernelConfig, xs, ws, mode: str) -> float:
 REFINED = 3
 
 
-def refine_split_sum(best: tuple[float, KernelConfig], xs, ws, mode: str) -> tuple[float, KernelConfig]:
+def refine_split_sum(best: tuple[float, KernelLaunch], xs, ws, mode: str) -> tuple[float, KernelLaunch]:
     """Retime ``best`` and its :func:`split_sum_variants` (each bitwise equal to it, checked);
     keep the fastest."""
     variants = split_sum_variants(best[1], xs[0].shape[1])
     if not variants:
         return best
-    dot_mode = dot_mode_for(xs[0].dtype, ws[0].dtype)
 
-    def logits(c: KernelConfig) -> torch.Tensor:
+    def logits(c: KernelLaunch) -> torch.Tensor:
         out = torch.full((xs[0].shape[0], ws[0].shape[0]), float("nan"), device="cuda")
-        return run_config(c, xs[0], ws[0], out, dot_mode)
+        return launch_into(c, xs[0], ws[0], out)
 
     ref = logits(best[1])
     timed = []
     for c in variants:
         if not torch.equal(logits(c), ref):  # the same adds in the same order: never expected
-            print(f"    {c.describe()} differs bitwise from {best[1].describe()}: not used")
+            print(f"    {describe(c)} differs bitwise from {describe(best[1])}: not used")
             continue
         timed.append((time_config(c, xs, ws, mode), c))
     return min(timed, key=lambda r: r[0]) if timed else best
 
 
 def fastest_launch_form(
-    results: list[tuple[float, KernelConfig]], xs, ws, mode: str
-) -> tuple[float, KernelConfig]:
+    results: list[tuple[float, KernelLaunch]], xs, ws, mode: str
+) -> tuple[float, KernelLaunch]:
     """The fastest of the :data:`REFINED` best sorted ``results``, each in its fastest split-sum
     launch form (:func:`refine_split_sum`)."""
     return min((refine_split_sum(r, xs, ws, mode) for r in results[:REFINED]), key=lambda r: r[0])
 
 
-#: The fp32 mode's tiled kernel never won below this M on the H200 (tune-h200-976dd63.log and later
+#: The fp32 mode's tiled kernel never won below this M on the H200 (benchmarks/NOTES.md, and later
 #: tables): not timed there, to keep a retune inside one device call.
 FP32_TILED_FROM = 2048
 
 
-def _fastest_triton(results: list[tuple[float, KernelConfig]]) -> tuple[float, KernelConfig] | None:
+def _fastest_triton(results: list[tuple[float, KernelLaunch]]) -> tuple[float, KernelLaunch] | None:
     """The fastest Triton config of sorted timings: what runs where the ``wgmma_ws`` kernel
     cannot (an fp32 gate weight, rows TMA cannot read); the table keeps it as ``fp32/triton``."""
     return next(((t, c) for t, c in results if c.kernel not in ("wgmma_ws", "cublas")), None)
 
 
 def _triton_buckets(
-    entry: dict, mode: str, previous: list[dict], new: dict[int, tuple[float, KernelConfig]], ms
+    entry: dict, mode: str, previous: list[dict], new: dict[int, tuple[float, KernelLaunch]], ms
 ) -> None:
     """Store ``<mode>/triton`` (only for a mode whose buckets name ``wgmma_ws``): this run's fastest
     Triton configs merged over the table's earlier ones (its ``/triton`` buckets, else the Triton
@@ -290,14 +269,14 @@ def _triton_buckets(
 
 def tune_shape(
     shape, mode: str, ms, old: list[dict] | None = None, invariant: list[dict] | None = None
-) -> tuple[list[dict], dict[int, float], dict[int, tuple[float, KernelConfig]]]:
+) -> tuple[list[dict], dict[int, float], dict[int, tuple[float, KernelLaunch]]]:
     """The fastest candidate per M in ``ms``; with ``old`` (a merged table), every other M of the
     benchmark's list keeps ``old``'s bucket. Also the fastest Triton candidate per M.
     ``invariant``: the mode's batch-invariant buckets, whose config at each M is a candidate too
     (the non-invariant path should never be the slower one: on DeepSeek-V2-Lite at 32-256 tokens
     it was, by up to 13 %)."""
-    best_by_m: dict[int, tuple[float, KernelConfig]] = {}
-    triton_by_m: dict[int, tuple[float, KernelConfig]] = {}
+    best_by_m: dict[int, tuple[float, KernelLaunch]] = {}
+    triton_by_m: dict[int, tuple[float, KernelLaunch]] = {}
     for m in ms:
         xs, ws = make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m)
         cands = gemv_candidates(m) if m <= GEMV_MAX_M else []
@@ -309,7 +288,7 @@ def tune_shape(
         elif mode != "fp32" and m >= 32:  # it never beat cuBLAS in the 16-bit modes: two for the record
             cands += tiled_candidates(m, mode)[:2]
         if mode == "bf16-fp32out":
-            cands.append(KernelConfig("cublas"))
+            cands.append(CublasLaunch())
         if mode == "fp32":
             cands += wgmma_ws_candidates(m, shape.k, shape.n)
         results = []
@@ -323,7 +302,7 @@ def tune_shape(
             triton_by_m[m] = fastest
         cub = next((t for t, c in results if c.kernel == "cublas"), None)
         print(
-            f"  {shape.name} {mode} M={m}: best {best_by_m[m][0]:.2f} µs {best_by_m[m][1].describe()}"
+            f"  {shape.name} {mode} M={m}: best {best_by_m[m][0]:.2f} µs {describe(best_by_m[m][1])}"
             + (f"  (cuBLAS {cub:.2f})" if cub else ""),
             flush=True,
         )
@@ -331,21 +310,11 @@ def tune_shape(
     return merge_buckets(old or [], best_by_m, points), {m: best_by_m[m][0] for m in ms}, triton_by_m
 
 
-#: K structures a batch-invariant config may fix: (k_per_split, block_k, fixed_point); promotion
-#: follows the mode. Split sums in split order (float) or exact in fixed point: the fixed-point
-#: sum takes one atomic round trip instead of a ticket's three (faster at 1-16 tokens) but costs
-#: 64-bit conversions per split (slower from 256 tokens on the H200). K split 256 in split order
-#: (the Hopper heuristic's): twice the programs at small M, a second launch with PDL
-#: adding 28 partials. The structure kept is the one with the fewest M over the issue's limits
-#: (1.5x the fastest non-invariant path up to 256 tokens, 2x above: ``bi_limit``), then the
-#: smallest worst ratio to them (``bi_rank``).
-BI_K_STRUCTURES = [
-    (256, 128, False),
-    (512, 128, False),
-    (1024, 128, False),
-    (256, 128, True),
-    (512, 128, True),
-]
+#: K structures a batch-invariant launch may fix: (k_per_split, block_k); promotion follows the
+#: mode; the splits are added in split order. The structure kept is the one with the fewest M
+#: over the limits (1.5x the fastest non-invariant path up to 256 tokens, 2x above: ``bi_limit``),
+#: then the smallest worst ratio to them (``bi_rank``).
+BI_K_STRUCTURES = [(256, 128), (512, 128), (1024, 128)]
 
 
 def bi_limit(m: int) -> float:
@@ -358,16 +327,15 @@ def bi_rank(times: dict[int, float], fastest: dict[int, float]) -> tuple[int, fl
     over its limit, then the worst ratio to the limit (lower is better). The count comes first
     because the worst point is often M=1, which no K structure brings under 1.5x on the H200:
     ranked by it alone, DeepSeek-V3's K split 256 tied 512 (1.15) while adding a miss at 1024
-    tokens (tune-h200-9cc7397-bi-k256-v3-kimi.log)."""
+    tokens (benchmarks/NOTES.md)."""
     ratios = [times[m] / fastest[m] / bi_limit(m) for m in times]
     return sum(r > 1.0 for r in ratios), max(ratios)
 
 
 #: (block_m, block_n, num_warps, num_stages, form, block_k or None = the structure's); form:
-#: "split" (a program per split: ticket, or one fixed-point atomic per logit and split),
-#: "ticket" (fixed point only: integer partials, the tile's last program adds them: fewer atomics
-#: at mid M), "program" (one program runs every split: large M). A tile whose BLOCK_K differs
-#: from the structure's is admitted only if bitwise equal to its reference (the first tile).
+#: "split" (a program per split, summed by a ticket or a second launch) or "program" (one program
+#: runs every split: large M). A tile whose BLOCK_K differs from the structure's is admitted only
+#: if bitwise equal to its reference (the first tile).
 BI_TILES = [
     (16, 16, 4, 1, "split", None),
     (16, 16, 4, 1, "split", 256),
@@ -376,14 +344,12 @@ BI_TILES = [
     (64, 32, 4, 1, "split", None),
     (64, 64, 4, 1, "split", None),
     (128, 64, 8, 1, "split", None),
-    (64, 32, 4, 1, "ticket", None),
     (64, 64, 4, 3, "split", None),
     (128, 64, 4, 3, "split", None),
     (64, 128, 4, 3, "split", None),
     (128, 128, 8, 3, "split", None),
     (128, 64, 4, 2, "split", None),  # fp32 mode: 128-wide chunks fit 128-row tiles in 2 stages only
     (64, 128, 4, 2, "split", None),
-    (128, 64, 4, 3, "ticket", None),
     (64, 128, 4, 3, "program", None),
     (128, 64, 4, 3, "program", None),
     (128, 64, 8, 3, "program", None),
@@ -395,52 +361,42 @@ BI_TILES = [
 BI_M = (1, 16, 64, 256, 512, 1024, 2048, 4096, 16384)
 
 
-def bi_structures(
-    mode: str, sums: str = "both", k_splits: tuple[int, ...] | None = None
-) -> list[tuple[int, int, bool]]:
-    """The K structures (k_per_split, block_k, fixed_point) a batch-invariant retune compares in
-    ``mode``: ``sums`` keeps the split-order ones, the fixed-point ones or both; ``k_splits``
-    (None = all) the K splits."""
-    if sums not in ("both", "split-order", "fixed-point"):
-        raise ValueError(f"sums={sums!r}; allowed: both, split-order, fixed-point")
-    known = sorted({kps for kps, _, _ in BI_K_STRUCTURES})
+def bi_structures(mode: str, k_splits: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
+    """The K structures (k_per_split, block_k) a batch-invariant retune compares in ``mode``;
+    ``k_splits`` (None = all) keeps those K splits."""
+    known = sorted({kps for kps, _ in BI_K_STRUCTURES})
     if k_splits is not None and (bad := sorted(set(k_splits) - set(known))):
         raise ValueError(f"K split(s) {bad} not among the batch-invariant structures; allowed: {known}")
     return sorted(
         {
-            (kps, min(bk, FP32_MAX_BLOCK_K) if mode == "fp32" else bk, fixed)
-            for kps, bk, fixed in BI_K_STRUCTURES
-            if (sums == "both" or fixed == (sums == "fixed-point")) and (k_splits is None or kps in k_splits)
+            (kps, min(bk, FP32_MAX_BLOCK_K) if mode == "fp32" else bk)
+            for kps, bk in BI_K_STRUCTURES
+            if k_splits is None or kps in k_splits
         }
     )
 
 
-def _bi_fits(cfg: KernelConfig, m: int) -> bool:
+def _bi_fits(cfg: KernelLaunch, m: int) -> bool:
     """Which tiles are worth timing at M: unrolled up to 256 tokens, pipelined with a ticket from
     64 to 4096, one program per tile (no partials in memory) from 256 on."""
-    p = cfg.params
-    if p.get("splits_in_program"):
+    if cfg.splits_in_program:
         return m >= 256
-    return m <= 256 if p["num_stages"] == 1 else 64 <= m <= 4096
+    return m <= 256 if cfg.num_stages == 1 else 64 <= m <= 4096
 
 
-def _bi_config(structure: tuple, tiles: tuple, mode: str) -> KernelConfig | None:
-    """The config of ``tiles`` under a K structure, or None where the form does not apply."""
-    kps, block_k, fixed = structure
+def _bi_config(structure: tuple, tiles: tuple, mode: str) -> KernelLaunch:
+    """The launch of ``tiles`` under a K structure."""
+    kps, block_k = structure
     block_m, block_n, warps, stages, form, tile_block_k = tiles
-    if form == "ticket" and not fixed:
-        return None  # the float sum's cross-program form is the ticket already
-    return splitk_config(
+    return splitk(
         block_m,
         block_n,
         tile_block_k or block_k,
         kps,
-        mode,
+        mode == "fp32",
         warps,
         num_stages=stages,
         splits_in_program=form == "program",
-        fixed_point=fixed,
-        fixed_ticket=form == "ticket",
     )
 
 
@@ -461,40 +417,37 @@ def tune_batch_invariant(
     mode: str,
     old: list[dict] | None = None,
     ms=BI_M,
-    sums: str = "both",
     k_splits: tuple[int, ...] | None = None,
 ) -> list[dict]:
     """Per M, the fastest tiles among configs that share one K structure *and* give bitwise the
     same logits as that structure's reference config on the same input (checked here).
     With ``old`` (``--bi-only --m ...`` on a merged table): keep its K structure, retime only
-    ``ms`` and merge them into its buckets. ``sums``: which K structures to compare ("split-order",
-    "fixed-point" or "both"), ``k_splits`` which K splits (None: all)."""
+    ``ms`` and merge them into its buckets. ``k_splits``: which K splits to compare (None: all)."""
     inputs = {m: make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m) for m in ms}
     best = {m: _fastest_non_invariant(shape, mode, m, *inputs[m]) for m in ms}
     probe_x = torch.randn(300, shape.k, device="cuda").to(torch.bfloat16)
     probe_w = inputs[ms[0]][1][0]
-    dot_mode = dot_mode_for(probe_x.dtype, probe_w.dtype)
     choices = []
-    structures = bi_structures(mode, sums, k_splits)
-    if old:  # keep the table's K split and kind of sum; BLOCK_K is the reference tile's
-        structures = [(old[0]["k_per_split"], 128, bool(old[0].get("fixed_point")))]
+    structures = bi_structures(mode, k_splits)
+    if old:  # keep the table's K split; BLOCK_K is the reference tile's
+        structures = [(old[0]["k_per_split"], 128)]
     for structure in structures:
         ref_cfg = _bi_config(structure, BI_TILES[0], mode)
-        ref = run_config(ref_cfg, probe_x, probe_w, torch.empty(300, shape.n, device="cuda"), dot_mode)
+        ref = launch_into(ref_cfg, probe_x, probe_w, torch.empty(300, shape.n, device="cuda"))
         admitted = []
         for tiles in BI_TILES:
             cfg = _bi_config(structure, tiles, mode)
-            if cfg is None or cfg in admitted or not any(_bi_fits(cfg, m) for m in ms):
+            if cfg in admitted or not any(_bi_fits(cfg, m) for m in ms):
                 continue
             try:
-                out = run_config(cfg, probe_x, probe_w, torch.empty(300, shape.n, device="cuda"), dot_mode)
+                out = launch_into(cfg, probe_x, probe_w, torch.empty(300, shape.n, device="cuda"))
             except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: not admitted
-                print(f"    skip {cfg.describe()}: {type(e).__name__}: {str(e)[:100]}")
+                print(f"    skip {describe(cfg)}: {type(e).__name__}: {str(e)[:100]}")
                 continue
             if torch.equal(out, ref):
                 admitted.append(cfg)
             else:
-                print(f"    {cfg.describe()} differs bitwise from {ref_cfg.describe()}: not admitted")
+                print(f"    {describe(cfg)} differs bitwise from {describe(ref_cfg)}: not admitted")
         per_m = {}
         for m in ms:
             fits = [c for c in admitted if _bi_fits(c, m)]
@@ -503,15 +456,14 @@ def tune_batch_invariant(
         rank = bi_rank({m: t for m, (t, _) in per_m.items()}, best)
         choices.append((rank, structure, per_m))
         timings = " ".join(f"M={m}:{t:.2f}/{best[m]:.2f}" for m, (t, _) in per_m.items())
-        kind = "fixed-point" if structure[2] else "split-order"
         print(
-            f"    K split {structure[0]}, {kind} sum: {rank[0]} M over the limit, worst {rank[1]:.2f} "
-            f"of the limit; {timings}"
+            f"    K split {structure[0]}: {rank[0]} M over the limit, worst {rank[1]:.2f} of the limit; "
+            + timings
         )
-    (_, worst), (kps, _, fixed), per_m = min(choices, key=lambda c: c[0])
+    (_, worst), (kps, _), per_m = min(choices, key=lambda c: c[0])
     print(
-        f"  {shape.name} {mode} batch-invariant: K split {kps}, {'fixed-point' if fixed else 'split-order'} "
-        f"sum, worst {worst:.2f} of the limit (1.5x to 256 tokens, 2x above) vs fastest "
+        f"  {shape.name} {mode} batch-invariant: K split {kps}, "
+        f"worst {worst:.2f} of the limit (1.5x to 256 tokens, 2x above) vs fastest "
         + " ".join(f"M={m}:{t:.2f}/{best[m]:.2f}" for m, (t, _) in per_m.items()),
         flush=True,
     )
@@ -541,54 +493,46 @@ WGMMA_WS_TUNE_FROM = 128
 WGMMA_WS_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 22, 28)
 
 
-def wgmma_ws_candidates(m: int, k: int, n: int) -> list[KernelConfig]:
+def wgmma_ws_candidates(m: int, k: int, n: int) -> list[KernelLaunch]:
     from csrc_triton.capability import gluon_available
 
     if torch.cuda.get_device_capability()[0] != 9 or not gluon_available() or m < WGMMA_WS_TUNE_FROM:
         return []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
-    # (block_n, tail, consumer partitions)
-    widths = [(128, 0, 2), (128, 0, 1)] + ([(64, 0, 2)] if n % 128 else [])
-    # tiles of 128 + a tail where that width divides N (160 = 128 + 32; 384 = 2 x (128 + 64))
-    widths += [(128, t, 2) for t in (16, 32) if n > 128 and n % (128 + t) == 0]
-    widths += [(128, 64, 1), (128, 64, 2)] if n > 128 and n % 192 == 0 else []
-    for block_n, tail, consumers in widths:
+    # (block_n, tail): tiles of 128 + a tail where that width divides N (160 = 128 + 32; 384 = 2 x 192)
+    widths = [(128, 0)] + ([(64, 0)] if n % 128 else [])
+    widths += [(128, t) for t in (16, 32) if n > 128 and n % (128 + t) == 0]
+    widths += [(128, 64)] if n > 128 and n % 192 == 0 else []
+    for block_n, tail in widths:
         tiles = wgmma_ws_tiles(m, n, block_n, tail)
         for asked in WGMMA_WS_SPLITS:
             per_split = wgmma_ws_k_per_split(k, asked)
             splits = -(-k // per_split)  # whole chains per split: fewer parts than asked, maybe
             if tiles * splits <= 2 * sms and per_split < k or splits == 1:
                 kps = 0 if splits == 1 else per_split
-                out.append(wgmma_ws_config(block_n, kps, block_n_tail=tail, consumers=consumers))
-    # stream-K: one program per SM, the tiles' chains shared evenly (no wave of idle SMs)
-    out += [wgmma_ws_config(block_n, 0, stream_k=sms) for block_n, tail, c in widths if not tail and c == 2]
+                out.append(wgmma_ws(block_n, kps, block_n_tail=tail))
     return list(dict.fromkeys(out))
 
 
-def targeted_candidates(m: int, mode: str, k: int = 0, n: int = 0) -> list[KernelConfig]:
-    cands = [
-        KernelConfig("gemv", gemv_params(bm, bn, w, maxnreg, stages))
-        for bm, bn, w, maxnreg, stages in TARGETED_GEMV.get(m, [])
+def targeted_candidates(m: int, mode: str, k: int = 0, n: int = 0) -> list[KernelLaunch]:
+    cands: list[KernelLaunch] = [
+        GemvLaunch(bm, bn, w, maxnreg, stages) for bm, bn, w, maxnreg, stages in TARGETED_GEMV.get(m, [])
     ]
     if mode == "fp32" and 128 <= m <= 8192:
-        cands += [pipelined_splitk_config(bm, bn, kps, mode, w) for bm, bn, kps, w in TARGETED_FP32_MID]
+        cands += [splitk(bm, bn, 64, kps, True, w, num_stages=3) for bm, bn, kps, w in TARGETED_FP32_MID]
     if mode == "fp32":
         cands += wgmma_ws_candidates(m, k, n)
     return cands
 
 
-def bucket_config(buckets: list[dict], m: int) -> KernelConfig | None:
+def bucket_config(buckets: list[dict], m: int) -> KernelLaunch | None:
     """The config a bucket list gives for M (the dispatch's lookup rule)."""
     bucket = bucket_for(buckets, m)
-    return (
-        None
-        if bucket is None
-        else KernelConfig(bucket["kernel"], {k: v for k, v in bucket.items() if k in PARAM_KEYS})
-    )
+    return None if bucket is None else from_bucket(bucket, "table")
 
 
-def merge_buckets(old: list[dict], new: dict[int, tuple[float, KernelConfig]], ms) -> list[dict]:
+def merge_buckets(old: list[dict], new: dict[int, tuple[float, KernelLaunch]], ms) -> list[dict]:
     """Collapse per-M points over ``ms`` into buckets: tuned points from ``new``, every other M
     keeps ``old``'s bucket (its launch parameters and its timing note). ``old``'s own bucket ends
     count as points too, so a bucket tuned at an M off ``ms`` (e.g. 192 or 384 tokens) survives
@@ -597,7 +541,7 @@ def merge_buckets(old: list[dict], new: dict[int, tuple[float, KernelConfig]], m
     for m in sorted(set(ms) | {b["max_m"] for b in old if b["max_m"] is not None}):
         if m in new:
             t, cfg = new[m]
-            points.append({"max_m": m, "kernel": cfg.kernel, **cfg.params, "us": round(t, 3)})
+            points.append({"max_m": m, **to_bucket(cfg), "us": round(t, 3)})
         else:
             prior = bucket_for(old, m)
             if prior is None:
@@ -605,10 +549,7 @@ def merge_buckets(old: list[dict], new: dict[int, tuple[float, KernelConfig]], m
             points.append({**prior, "max_m": m})
     buckets: list[dict] = []
     for entry in points:
-        notes = ("max_m", "us", "fastest_us")
-        same = buckets and {k: v for k, v in buckets[-1].items() if k not in notes} == {
-            k: v for k, v in entry.items() if k not in notes
-        }
+        same = buckets and fields(from_bucket(buckets[-1], "")) == fields(from_bucket(entry, ""))
         if same:
             buckets[-1]["max_m"] = entry["max_m"]
         else:
@@ -619,7 +560,7 @@ def merge_buckets(old: list[dict], new: dict[int, tuple[float, KernelConfig]], m
 
 def tune_targeted(
     shape, mode: str, old: list[dict], ms, old_triton: list[dict] | None = None
-) -> tuple[list[dict], dict[int, tuple[float, KernelConfig]]]:
+) -> tuple[list[dict], dict[int, tuple[float, KernelLaunch]]]:
     """Time the targeted candidates and the table's current config at each M; keep the fastest
     (and return the fastest Triton config per M, the table's ``<mode>/triton`` one among them:
     the targeted candidates alone are a subset of the full search that chose it)."""
@@ -637,7 +578,7 @@ def tune_targeted(
             cands.append(fallback)
         xs, ws = make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m)
         if mode == "bf16-fp32out":
-            cands.append(KernelConfig("cublas"))
+            cands.append(CublasLaunch())
         timed = [
             (time_config(c, xs, ws, mode), c)
             for c in cands
@@ -649,7 +590,7 @@ def tune_targeted(
             triton_by_m[m] = fastest
         cur_t = next((t for t, c in results if current is not None and c == current), None)
         print(
-            f"  {shape.name} {mode} M={m}: best {new[m][0]:.2f} µs {new[m][1].describe()}"
+            f"  {shape.name} {mode} M={m}: best {new[m][0]:.2f} µs {describe(new[m][1])}"
             + (f"  (table's current {cur_t:.2f})" if cur_t else ""),
             flush=True,
         )
@@ -667,7 +608,7 @@ def refine_table_split_sums(shape, key: str, old: list[dict], ms) -> list[dict]:
             continue
         xs, ws = make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m)
         new[m] = refine_split_sum((time_config(current, xs, ws, mode), current), xs, ws, mode)
-        print(f"  {shape.name} {key} M={m}: {new[m][0]:.2f} µs {new[m][1].describe()}", flush=True)
+        print(f"  {shape.name} {key} M={m}: {new[m][0]:.2f} µs {describe(new[m][1])}", flush=True)
     if not new:
         return old
     return merge_buckets(old, new, sorted(set(ms) | set(M_LIST)))
@@ -697,12 +638,6 @@ def main(argv: list[str] | None = None) -> int:
         "launches with PDL) for the listed modes and their batch-invariant buckets; keep the fastest",
     )
     p.add_argument("--no-bi", action="store_true", help="leave the batch-invariant buckets as they are")
-    p.add_argument(
-        "--bi-sums",
-        choices=("both", "split-order", "fixed-point"),
-        default="both",
-        help="which kinds of batch-invariant split sum to compare (each doubles the time)",
-    )
     p.add_argument(
         "--bi-k-splits",
         type=lambda v: tuple(int(k) for k in v.split(",")),
@@ -766,7 +701,7 @@ def _tune_shapes(args: argparse.Namespace, table: dict, out: Path, ms: list[int]
             if args.bi_only and not bi_default_m:  # retune these M, keep the K structure
                 entry[key] = tune_batch_invariant(shape, mode, entry[key], ms)
             else:
-                entry[key] = tune_batch_invariant(shape, mode, sums=args.bi_sums, k_splits=args.bi_k_splits)
+                entry[key] = tune_batch_invariant(shape, mode, k_splits=args.bi_k_splits)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(table, indent=1))  # keep what is done if the run is cut short
         print(f"[tune] {shape.name} done at {time.time() - t0:.0f}s", flush=True)

@@ -1,5 +1,4 @@
-"""What this Triton and GPU can run. Imports no kernel module, so the config selection and the
-kernels can both ask without importing each other."""
+"""What this Triton can run. Imports no kernel module, so the choice and the kernels can both ask."""
 
 from __future__ import annotations
 
@@ -17,18 +16,3 @@ def gluon_available() -> bool:
     except ImportError:
         return False
     return hasattr(gl, "warp_specialize")
-
-
-def wgmma_ws_problem(capability: int, x_dtype, w_dtype) -> str | None:
-    """Why the ``wgmma_ws`` kernel cannot run on this GPU for these operand dtypes (None: it can,
-    given TMA-readable layouts). It needs Hopper (sm_90: wgmma, TMA), Gluon, and 16-bit operands
-    of one dtype."""
-    import torch
-
-    if capability // 10 != 9:
-        return f"compute capability {capability / 10:.1f} (needs 9.x)"
-    if not gluon_available():
-        return "this Triton has no Gluon warp specialisation"
-    if x_dtype != w_dtype or x_dtype not in (torch.bfloat16, torch.float16):
-        return f"dtypes {x_dtype} x {w_dtype} (needs bf16 x bf16 or fp16 x fp16)"
-    return None

@@ -1,11 +1,11 @@
 """The multiply-accumulate step shared by the router GEMM kernels.
 
-``DOT_MODE`` (constexpr):
-  0 ``DOT_NATIVE``: 16-bit x 16-bit tensor-core MMA with fp32 accumulation (bf16 or fp16).
-  1 ``DOT_SPLIT3``: fp32 weight split exactly into three bf16 terms (hi + mid + lo, each the
+``DOT_MODE`` (constexpr, a :class:`DotMode`, fixed by the operands' dtypes):
+  0 ``NATIVE``: 16-bit x 16-bit tensor-core MMA with fp32 accumulation (bf16 or fp16).
+  1 ``SPLIT3``: fp32 weight split exactly into three bf16 terms (hi + mid + lo, each the
     truncation of what is left: 8 significant bits each = fp32's 24) and three bf16 MMAs; every
     product is exact in fp32.
-  2 ``DOT_IEEE``: fp32 operands, ``input_precision="ieee"`` (never TF32), for fp32 activations.
+  2 ``IEEE``: fp32 operands, ``input_precision="ieee"`` (never TF32), for fp32 activations.
 
 ``UPCAST`` (constexpr) is set only under ``TRITON_INTERPRET=1``: the interpreter multiplies bf16
 bit patterns in ``tl.dot`` (triton-lang/triton#11584, unsupported), while bf16 -> fp32 casts are
@@ -13,12 +13,27 @@ exact, so each 16-bit operand is upcast right before its ``tl.dot`` and multipli
 Everything else (loads, masks, the weight split, promotion, stores) is the GPU code path.
 """
 
+from enum import IntEnum
+
+import torch
 import triton
 import triton.language as tl
 
-DOT_NATIVE = 0
-DOT_SPLIT3 = 1
-DOT_IEEE = 2
+
+class DotMode(IntEnum):
+    NATIVE = 0
+    SPLIT3 = 1
+    IEEE = 2
+
+    @classmethod
+    def of(cls, x_dtype: torch.dtype, w_dtype: torch.dtype) -> "DotMode":
+        """fp32 activations: IEEE fp32 dots; an fp32 weight with bf16 activations: three bf16
+        MMAs; otherwise one 16-bit MMA."""
+        if x_dtype == torch.float32 or (w_dtype == torch.float32 and x_dtype != torch.bfloat16):
+            return cls.IEEE
+        if w_dtype == torch.float32:
+            return cls.SPLIT3
+        return cls.NATIVE
 
 
 @triton.jit
@@ -79,7 +94,7 @@ def promoted_group(
     starting at ``k0`` (promotion: tensor-core accumulation chains stay that short). With two or
     more chunks the compiler cannot fold ``part`` into ``acc``; with one it does (Triton rewrites
     ``acc + dot(a, b, 0)`` as ``dot(a, b, acc)``), so the fp32 mode never promotes every chunk
-    (``csrc_triton.configs.FP32_PROMOTE_CHUNKS``). x_rows: [BM, 1] row pointers, w_cols: [1, BN]."""
+    (``vllm_router_ext.ops.choice.FP32_PROMOTE_CHUNKS``). x_rows: [BM, 1] row pointers, w_cols: [1, BN]."""
     part = tl.zeros(acc.shape, dtype=tl.float32)
     for j in tl.static_range(PROMOTE_CHUNKS):
         a, b = load_chunk(x_rows, w_cols, mask_m, mask_n, k0 + j * BLOCK_K, K, BLOCK_K)

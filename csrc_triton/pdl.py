@@ -4,10 +4,9 @@ Invariant: PDL changes when the second kernel of a two-launch sum may start, nev
 The second kernel waits (``griddepcontrol.wait``) for the whole first kernel and its writes before
 it reads a partial, so the logits are bitwise those of two plain launches.
 
-Why: a dependent kernel node in a CUDA graph costs ~1 µs of launch before it runs (H200). With PDL
-the first kernel lets the second launch at once (``griddepcontrol.launch_dependents`` at its
-start), so the second one's programs are resident and waiting when the last partial lands
-(measured on the H200: a GEMV behind a kernel that triggers early, 3.31 -> 2.35 µs).
+Why: a dependent kernel node in a CUDA graph pays its launch before it runs. With PDL the first
+kernel lets the second launch at once (``griddepcontrol.launch_dependents`` at its start), so the
+second one's programs are resident and waiting when the last partial lands (docs/kernels.md).
 Hopper and newer (sm_90+) only; elsewhere, under the interpreter, or with
 ``VLLM_ROUTER_EXT_PDL=0`` both launches are plain (the kernels' PDL constexpr is False).
 """

@@ -15,8 +15,9 @@ import triton
 import triton.language as tl
 
 from csrc_triton import cdiv
-from csrc_triton.dot import load_chunk, mma, promoted_group
+from csrc_triton.dot import DotMode, load_chunk, mma, promoted_group
 from csrc_triton.environment import interpreting
+from csrc_triton.launches import TiledLaunch
 
 
 @triton.jit
@@ -72,26 +73,13 @@ def _tiled_kernel(
     tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def tiled_launch(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    block_m: int,
-    block_n: int,
-    block_k: int,
-    promote_chunks: int,
-    dot_mode: int,
-    group_m: int = 8,
-    num_warps: int = 8,
-    num_stages: int = 3,
-) -> torch.Tensor:
+def tiled_launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, launch: TiledLaunch) -> torch.Tensor:
     """Write ``x @ w.T`` into ``out`` [M, N]. x, w: unit stride along K; out: unit stride along N."""
     M, K = x.shape
     N = w.shape[0]
     if M == 0:
         return out
-    grid = (cdiv(M, block_m) * cdiv(N, block_n),)
+    grid = (cdiv(M, launch.block_m) * cdiv(N, launch.block_n),)
     _tiled_kernel[grid](
         x,
         w,
@@ -102,14 +90,14 @@ def tiled_launch(
         x.stride(0),
         w.stride(0),
         out.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        PROMOTE_CHUNKS=promote_chunks,
-        GROUP_M=group_m,
-        DOT_MODE=dot_mode,
+        BLOCK_M=launch.block_m,
+        BLOCK_N=launch.block_n,
+        BLOCK_K=launch.block_k,
+        PROMOTE_CHUNKS=launch.promote_chunks,
+        GROUP_M=launch.group_m,
+        DOT_MODE=int(DotMode.of(x.dtype, w.dtype)),
         UPCAST=interpreting(),
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     return out

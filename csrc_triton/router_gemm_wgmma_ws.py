@@ -12,17 +12,14 @@ lower-level dialect) one producer warp streams TMA loads of a [128, BLOCK_K] act
 and a [BLOCK_N, BLOCK_K] weight block into a num_stages-deep shared-memory ring, and two consumer
 warpgroups each own 64 rows of the 128 x BLOCK_N tile (sharing the weight block): while one
 drains and adds, the other's wgmmas keep the tensor cores busy, and the loads never wait on
-either. Measured on the H200: 0.73-0.77x the Triton fp32
-kernel's time at 8192-16384 tokens, 1.01-1.24x cuBLAS's bf16 GEMM.
+either (times in docs/kernels.md).
 
 More forms, with the same chains and adds per logit: a tile of 128 + a 16/32-column tail (160
 experts in one tile; the tail is carried by the default partition, which grows to 256 registers
 with ``setmaxnreg``); 128 + a 64-column tail (192-wide tiles: each consumer carries the tail for
-its own 64 rows, the second one raised to 232 registers, the loader lowered to 24); one 8-warp
-consumer partition (``consumers=1``: both warpgroups in the default partition); and stream-K
-(groups of programs share the row blocks' chains evenly; shared tiles' partials are added in K
-order by a fixup kernel). The K-split sum and the fixup may be programmatic dependent launches
-(``pdl``: let go at the start of this kernel or once each partition has issued its last work).
+its own 64 rows, the second one raised to 232 registers, the loader lowered to 24). The K-split
+sum may be a programmatic dependent launch (``pdl``: let go at the start of this kernel or once
+each partition has issued its last work).
 
 Gluon kernels compile for the GPU only (no ``TRITON_INTERPRET=1``): CPU CI compiles them for
 sm_90 (``python -m vllm_router_ext.testing.aot``); the GPU tests check their numbers.
@@ -32,18 +29,17 @@ import functools
 
 import torch
 import triton
-import triton.language as tl
 
 from csrc_triton import cdiv
-from csrc_triton.capability import gluon_available, wgmma_ws_problem
-from csrc_triton.configs import FP32_MAX_BLOCK_K
-from csrc_triton.configs import WGMMA_WS_BLOCK_M as BLOCK_M  # two consumer warpgroups x one m64 wgmma
-from csrc_triton.pdl import launch_options, pdl_enabled, wait_for_primary
+from csrc_triton.capability import gluon_available
+from csrc_triton.launches import WGMMA_WS_BLOCK_M as BLOCK_M  # two consumer warpgroups x one m64 wgmma
+from csrc_triton.launches import WgmmaWsLaunch
+from csrc_triton.pdl import pdl_enabled
 
-MAX_CHAIN = 2 * FP32_MAX_BLOCK_K  # the fp32 mode's longest MMA chain along K
+MAX_CHAIN = 256  # the fp32 mode's longest MMA chain along K
 #: ``pdl`` values: where the K-split kernel lets its split sum launch (programmatic dependent
-#: launch): at its start, or once each partition has issued its last load / chain. On the H200 the
-#: early trigger slowed launches that fill >= 112 of the 132 SMs.
+#: launch): at its start, or once each partition has issued its last load / chain (the early
+#: trigger slows launches that fill most SMs; the tuner times both).
 PDL_EARLY = 1
 PDL_LATE = 2
 
@@ -225,8 +221,8 @@ if GLUON:
     @gluon.jit
     def _wgmma_ws_kernel(x_desc, w_desc, t_desc, out_ptr, M, N, stride_os, stride_om, K: gl.constexpr,
                          K_PER_SPLIT: gl.constexpr, PROMOTE: gl.constexpr, STAGES: gl.constexpr,
-                         TAIL: gl.constexpr, REGS: gl.constexpr, ONE_CONSUMER: gl.constexpr,
-                         SPLIT_TAIL: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
+                         TAIL: gl.constexpr, REGS: gl.constexpr, SPLIT_TAIL: gl.constexpr,
+                         PDL: gl.constexpr):  # fmt: skip
         _launch_dependents(PDL == _PDL_EARLY)
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -250,7 +246,7 @@ if GLUON:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES):
             mbarrier.init(ready.index(st), count=1)
-            mbarrier.init(empty.index(st), count=1 if ONE_CONSUMER else 2)  # each consumer releases
+            mbarrier.init(empty.index(st), count=2)  # each consumer releases
 
         worker_args = (x_desc, w_desc, t_desc, a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N,
                        stride_os, stride_om, off_m, off_n, pid_s, k_begin, k_end,
@@ -258,219 +254,18 @@ if GLUON:
         # fmt: off
         # The default partition's constexpr arguments are written in place: gathered in a tuple
         # variable first, they would arrive as runtime integers.
-        if ONE_CONSUMER:  # 8 warps, all 128 rows: up to 240 registers each (a 64-column tail)
-            gl.warp_specialize(
-                [
-                    (_consumer, (a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os,
-                                stride_om, off_m, off_n, pid_s, 0, BM, PROMOTE, N_CHUNKS, STAGES,
-                                TAIL, BM, PDL == _PDL_LATE)),
-                    (_loader, worker_args),
-                ],
-                [1],
-                [40],
-            )
-        else:
-            gl.warp_specialize(
-                [
-                    (_consumer, (a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os,
-                                stride_om, off_m, off_n, pid_s, 0, _HALF, PROMOTE, N_CHUNKS, STAGES,
-                                TAIL, _HALF if SPLIT_TAIL else BM, PDL == _PDL_LATE)),
-                    (_second_consumer, worker_args),
-                    (_loader, worker_args),
-                ],
-                [4, 1],
-                [REGS, 24 if SPLIT_TAIL else 40],  # 128 x (256 + 232 + 24): the whole file
-            )
-        # fmt: on
-
-    # Stream-K form: G groups of tiles_n programs (one per SM in all) share the 128-row blocks'
-    # chains evenly. Group g runs the chains [g * U // G, (g + 1) * U // G) of the U = row blocks x
-    # CHAINS in row order, so it covers the end of one row block, whole ones and the start of
-    # another; its tiles_n programs (adjacent program ids, launched together) do so for each
-    # column tile, reading the same activation chunks at the same time (one HBM read, as in the
-    # one-tile-per-program form). A tile run by one group is stored as logits; a tile shared by
-    # several is stored as one partial per group (slot = g - the row block's first group) and
-    # added in slot order (= K order) by _streamk_fixup_kernel. Without it, 192 tiles (Kimi-K2,
-    # 8192 tokens) take two full waves on 132 SMs.
-
-    @aggregate
-    class _StreamPlan:
-        """Compile-time structure of the stream-K partitions (see _Plan)."""
-
-        K: gl.constexpr
-        PROMOTE: gl.constexpr
-        CHAINS: gl.constexpr
-        STAGES: gl.constexpr
-
-        @triton.constexpr_function
-        def __init__(self, K, PROMOTE, CHAINS, STAGES):
-            self.K = gl.constexpr(K)
-            self.PROMOTE = gl.constexpr(PROMOTE)
-            self.CHAINS = gl.constexpr(CHAINS)
-            self.STAGES = gl.constexpr(STAGES)
-
-    @gluon.jit
-    def _sk_consumer(a_bufs, b_bufs, ready, empty, out_ptr, ws_ptr, M, N, stride_om, stride_ws,
-                     stride_wm, units, tiles_n, ROW0: gl.constexpr, PROMOTE: gl.constexpr,
-                     CHAINS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-        """Rows ROW0 .. ROW0+63 of every tile segment of this program, in chains of PROMOTE."""
-        BN: gl.constexpr = b_bufs.shape[1]
-        mma: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
-        )
-        g = gl.program_id(0) // tiles_n
-        groups = gl.num_programs(0) // tiles_n
-        u0 = g * units // groups
-        u1 = (g + 1) * units // groups
-        acc = gl.zeros((_HALF, BN), gl.float32, mma)
-        i = 0
-        for t in range(u0 // CHAINS, (u1 - 1) // CHAINS + 1):  # row blocks
-            c0 = gl.maximum(u0 - t * CHAINS, 0)
-            c1 = gl.minimum(u1 - t * CHAINS, CHAINS)
-            total = gl.zeros((_HALF, BN), gl.float32, mma)
-            for _c in range(c0, c1):
-                acc, _ = _chain(a_bufs, b_bufs, b_bufs, ready, empty, i, acc, acc, ROW0, _HALF,
-                                PROMOTE, STAGES, 0, 0)  # fmt: skip
-                total = total + acc
-                i += PROMOTE
-            off_m = t * (2 * _HALF) + ROW0
-            off_n = (gl.program_id(0) % tiles_n) * BN
-            if (c0 == 0) & (c1 == CHAINS):
-                _store(out_ptr, total, M, N, 0, stride_om, off_m, off_n, 0, mma)
-            else:
-                slot = g - ((t * CHAINS + 1) * groups - 1) // units
-                _store(ws_ptr, total, M, N, stride_ws, stride_wm, off_m, off_n, slot, mma)
-
-    @gluon.jit
-    def _sk_loader(x_desc, w_desc, a_bufs, b_bufs, ready, empty, out_ptr, ws_ptr, M, N, stride_om,
-                   stride_ws, stride_wm, units, tiles_n, plan):  # fmt: skip
-        """One warp: TMA loads of every chunk of this program's chains, in the consumers' order."""
-        BM: gl.constexpr = x_desc.block_type.shape[0]
-        BK: gl.constexpr = x_desc.block_type.shape[1]
-        BN: gl.constexpr = w_desc.block_type.shape[0]
-        STAGES: gl.constexpr = plan.STAGES
-        g = gl.program_id(0) // tiles_n
-        groups = gl.num_programs(0) // tiles_n
-        u0 = g * units // groups
-        u1 = (g + 1) * units // groups
-        off_n = (gl.program_id(0) % tiles_n) * BN
-        i = 0
-        for t in range(u0 // plan.CHAINS, (u1 - 1) // plan.CHAINS + 1):
-            c0 = gl.maximum(u0 - t * plan.CHAINS, 0)
-            c1 = gl.minimum(u1 - t * plan.CHAINS, plan.CHAINS)
-            off_m = t * BM
-            for q in range((c1 - c0) * plan.PROMOTE):
-                s = i % STAGES
-                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-                k = (c0 * plan.PROMOTE + q) * BK
-                k = gl.where(k < plan.K, k, plan.K)  # past K: zeros (a last, shorter chain)
-                mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                _tma_load(x_desc, [off_m, k], ready.index(s), a_bufs.index(s))
-                _tma_load(w_desc, [off_n, k], ready.index(s), b_bufs.index(s))
-                i += 1
-
-    @gluon.jit
-    def _sk_second_consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, out_ptr, ws_ptr, M, N,
-                            stride_om, stride_ws, stride_wm, units, tiles_n, plan):  # fmt: skip
-        _sk_consumer(a_bufs, b_bufs, ready, empty, out_ptr, ws_ptr, M, N, stride_om, stride_ws,
-                     stride_wm, units, tiles_n, _HALF, plan.PROMOTE, plan.CHAINS, plan.STAGES)  # fmt: skip
-
-    @gluon.jit
-    def _wgmma_ws_streamk_kernel(x_desc, w_desc, out_ptr, ws_ptr, M, N, stride_om, stride_ws,
-                                 stride_wm, units, tiles_n, K: gl.constexpr, PROMOTE: gl.constexpr,
-                                 STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
-        _launch_dependents(PDL)
-        BM: gl.constexpr = x_desc.block_type.shape[0]
-        BK: gl.constexpr = x_desc.block_type.shape[1]
-        BN: gl.constexpr = w_desc.block_type.shape[0]
-        CHAINS: gl.constexpr = (K + PROMOTE * BK - 1) // (PROMOTE * BK)
-        a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
-        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(STAGES):
-            mbarrier.init(ready.index(st), count=1)
-            mbarrier.init(empty.index(st), count=2)
-        plan = _StreamPlan(K, PROMOTE, CHAINS, STAGES)
-        worker_args = (x_desc, w_desc, a_bufs, b_bufs, ready, empty, out_ptr, ws_ptr, M, N, stride_om,
-                       stride_ws, stride_wm, units, tiles_n, plan)  # fmt: skip
-        # fmt: off
         gl.warp_specialize(
             [
-                (_sk_consumer, (a_bufs, b_bufs, ready, empty, out_ptr, ws_ptr, M, N, stride_om,
-                               stride_ws, stride_wm, units, tiles_n, 0, PROMOTE, CHAINS, STAGES)),
-                (_sk_second_consumer, worker_args),
-                (_sk_loader, worker_args),
+                (_consumer, (a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os,
+                            stride_om, off_m, off_n, pid_s, 0, _HALF, PROMOTE, N_CHUNKS, STAGES,
+                            TAIL, _HALF if SPLIT_TAIL else BM, PDL == _PDL_LATE)),
+                (_second_consumer, worker_args),
+                (_loader, worker_args),
             ],
             [4, 1],
-            [REGS, 40],
+            [REGS, 24 if SPLIT_TAIL else 40],  # 128 x (256 + 232 + 24): the whole file
         )
         # fmt: on
-
-
-@triton.jit
-def _streamk_fixup_kernel(ws_ptr, out_ptr, M, N, stride_ws, stride_wm, stride_om, units, groups,
-                          tiles_n, CHAINS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          SUB_M: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """One program per SUB_M rows of a tile: a tile shared by several stream-K groups gets its
-    partials added in slot order (its groups' order, i.e. K order); a tile run by one group is
-    already stored. The slot loads are unrolled (masked past the tile's count) so that they are
-    all in flight at once: a loop of dependent loads measured ~1 µs per slot."""
-    wait_for_primary(PDL)  # launched early (PDL): the slots are complete only past this
-    pid = tl.program_id(0)
-    tile = pid // (BM // SUB_M)
-    t = tile // tiles_n  # row block
-    first = ((t * CHAINS + 1) * groups - 1) // units
-    count = ((t + 1) * CHAINS * groups - 1) // units - first + 1
-    if count > 1:
-        cols = (tile % tiles_n) * BN + tl.arange(0, BN)
-        rows = t * BM + (pid % (BM // SUB_M)) * SUB_M + tl.arange(0, SUB_M)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        offs = rows[:, None].to(tl.int64) * stride_wm + cols[None, :]
-        total = tl.load(ws_ptr + offs, mask=mask)
-        for j in tl.static_range(1, SLOTS):
-            rows_j = tl.where(count > j, M, 0)  # no rows past the tile's last slot
-            mask_j = (rows[:, None] < rows_j) & (cols[None, :] < N)
-            total += tl.load(ws_ptr + j * stride_ws + offs, mask=mask_j, other=0.0)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], total, mask=mask)
-
-
-def streamk_schedule(units: int, groups: int, chains: int) -> list[list[tuple[int, int]]]:
-    """Per row block, the (group, chains) segments of a stream-K launch, in K order: the kernels'
-    arithmetic written out (for the tests)."""
-    tiles: list[list[tuple[int, int]]] = [[] for _ in range(units // chains)]
-    for p in range(groups):
-        u0, u1 = p * units // groups, (p + 1) * units // groups
-        for t in range(u0 // chains, (u1 - 1) // chains + 1) if u1 > u0 else ():
-            c0, c1 = max(u0 - t * chains, 0), min(u1 - t * chains, chains)
-            tiles[t].append((p, c1 - c0))
-    return tiles
-
-
-@functools.cache  # once per token count: the dispatch calls it on every launch
-def streamk_slots(units: int, groups: int, chains: int) -> int:
-    """Most groups sharing one row block: the partial slots of the workspace (as the kernels count)."""
-    return max(
-        ((t + 1) * chains * groups - 1) // units - ((t * chains + 1) * groups - 1) // units + 1
-        for t in range(units // chains)
-    )
-
-
-def unsupported_reason(x: torch.Tensor, w: torch.Tensor, capability: int) -> str | None:
-    """Why this kernel cannot run these operands here (None: it can): not under the interpreter
-    (Gluon kernels have none), the GPU, Triton and dtype rule (``capability.wgmma_ws_problem``),
-    then TMA-compatible layouts: unit stride along K, 16-byte-aligned row strides and addresses."""
-    from csrc_triton.environment import interpreting
-
-    if interpreting():
-        return "TRITON_INTERPRET=1 (Gluon kernels have no interpreter)"
-    problem = wgmma_ws_problem(capability, x.dtype, w.dtype)
-    if problem is not None:
-        return problem
-    for name, t in (("x", x), ("weight", w)):
-        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            return f"{name} layout (stride {tuple(t.stride())}, not 16-byte aligned rows)"
-    return None
 
 
 @functools.cache  # per launch otherwise: host time on every eager call
@@ -491,127 +286,64 @@ def _tma_descriptor(t: torch.Tensor, block_rows: int, block_k: int):
 #: between the partitions, as long as they add up: the default partition takes up to 256 and
 #: the loader 40, so the default one, not the second consumer, carries a 16/32-column tail for
 #: all 128 rows (64 x 128 + 128 x 32 columns: 192 accumulator registers per thread, chain and
-#: total). With ``consumers=1`` the default partition is both consumer warpgroups (8 warps, all
-#: 128 rows) and takes the rest of the file, 240 registers a thread.
+#: total).
 WORKER_REGISTERS = 168
 
-#: Tail widths (columns beyond the 128-wide accumulator) and consumer-partition counts.
+#: Tail widths (columns beyond the 128-wide accumulator).
 TAILS = (0, 16, 32, 64)
-CONSUMERS = (1, 2)
-#: A 64-column tail with two consumer partitions is split between them (each its own 64 rows):
+#: A 64-column tail is split between the two consumer partitions (each its own 64 rows):
 #: the second consumer then holds 192 accumulator registers, so it is raised to 232 and the
 #: loader lowered to 24 (128 x (256 + 232 + 24) = the whole file; the launch stays at 168).
 SPLIT_TAIL_REGISTERS = 232
 
 
 def wgmma_ws_launch(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    block_n: int,
-    block_k: int,
-    promote_chunks: int,
-    num_stages: int,
-    k_per_split: int = 0,
-    block_n_tail: int = 0,
-    stream_k: int = 0,
-    consumers: int = 2,
-    pdl: int = 0,
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, launch: WgmmaWsLaunch
 ) -> torch.Tensor:
     """Write ``x @ w.T`` (fp32-mode sums) into the fp32 ``out`` [M, N] (unit stride along N).
     ``k_per_split`` 0 or >= K: no split; else fp32 partials [S, M, N] added in split order.
     ``block_n_tail`` (0, 16, 32 or 64): each tile is block_n + block_n_tail columns wide, the
     last ones on a second, narrower accumulator (160 = 128 + 32 and 192 = 128 + 64 experts in one
-    tile; tile widths must otherwise be powers of two). ``consumers``: 2 consumer partitions of
-    64 rows each (a 16/32-column tail on the first for all 128 rows, a 64-column one split
-    between them), or 1 of 8 warps for all 128 rows. ``stream_k`` > 0: that many programs (at
-    most one per SM: the ring fills shared memory) share the tiles' chains evenly instead (no K
-    split, no tail, two consumers). ``pdl`` (:data:`PDL_EARLY` or :data:`PDL_LATE`; 0: off): the
-    partials' sum (or stream-K fixup) is a programmatic dependent launch where the GPU has it
-    (``csrc_triton/pdl.py``), let go at the start of the first kernel or once its last loads and
-    chains are issued (stream-K: at its start). The same bits either way."""
+    tile; tile widths must otherwise be powers of two): a 16/32-column tail on the first consumer
+    for all 128 rows, a 64-column one split between the two. ``pdl`` (:data:`PDL_EARLY` or
+    :data:`PDL_LATE`; 0: off): the partials' sum is a programmatic dependent launch where the GPU
+    has it (``csrc_triton/pdl.py``), let go at the start of the first kernel or once its last
+    loads and chains are issued. The same bits either way."""
     from csrc_triton.router_gemm_splitk import reduce_partials
 
     M, K = x.shape
     N = w.shape[0]
+    lc = launch
     if out.dtype != torch.float32:
         raise ValueError(f"wgmma_ws writes fp32 logits; got out dtype {out.dtype}")
-    if promote_chunks < 2 or promote_chunks * block_k > MAX_CHAIN:
+    if lc.promote_chunks < 2 or lc.promote_chunks * lc.block_k > MAX_CHAIN:
         raise ValueError(
-            f"promote_chunks={promote_chunks} with block_k={block_k}: chains must be 2..{MAX_CHAIN} "
+            f"promote_chunks={lc.promote_chunks} with block_k={lc.block_k}: chains must be 2..{MAX_CHAIN} "
             "along K in at least two chunks"
         )
-    if consumers not in CONSUMERS:
-        raise ValueError(f"consumers={consumers}; allowed: {', '.join(map(str, CONSUMERS))}")
-    if block_n_tail not in TAILS or block_n_tail >= block_n:
+    if lc.block_n_tail not in TAILS or lc.block_n_tail >= lc.block_n:
         allowed = ", ".join(map(str, TAILS))
-        raise ValueError(f"block_n_tail={block_n_tail}; allowed: {allowed} (below block_n={block_n})")
-    if stream_k and (block_n_tail or 0 < k_per_split < K or consumers != 2):
-        raise ValueError(
-            f"stream_k={stream_k} shares whole tiles' chains: k_per_split and block_n_tail must be 0, "
-            "consumers 2"
-        )
-    if pdl not in (0, PDL_EARLY, PDL_LATE):
-        raise ValueError(f"pdl={pdl}; allowed: 0 (off), {PDL_EARLY} (early), {PDL_LATE} (late)")
+        raise ValueError(f"block_n_tail={lc.block_n_tail}; allowed: {allowed} (below block_n={lc.block_n})")
+    if lc.pdl not in (0, PDL_EARLY, PDL_LATE):
+        raise ValueError(f"pdl={lc.pdl}; allowed: 0 (off), {PDL_EARLY} (early), {PDL_LATE} (late)")
     if M == 0:
         return out
-    if stream_k:
-        return _streamk_launch(x, w, out, block_n, block_k, promote_chunks, num_stages, stream_k, pdl)
-    split_tail = consumers == 2 and block_n_tail > 32
-    kps = k_per_split if 0 < k_per_split < K else K
-    n_chunks = cdiv(kps, block_k)
+    split_tail = lc.block_n_tail > 32
+    kps = lc.k_per_split if 0 < lc.k_per_split < K else K
+    n_chunks = cdiv(kps, lc.block_k)
     split = cdiv(K, kps)
     part = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=out.device)
-    x_desc = _tma_descriptor(x, BLOCK_M, block_k)
-    w_desc = _tma_descriptor(w, block_n, block_k)
-    t_desc = _tma_descriptor(w, block_n_tail, block_k) if block_n_tail else w_desc
-    grid = (cdiv(N, block_n + block_n_tail), cdiv(M, BLOCK_M), split)
-    pdl = pdl if pdl and split > 1 and pdl_enabled(out.device) else 0
+    x_desc = _tma_descriptor(x, BLOCK_M, lc.block_k)
+    w_desc = _tma_descriptor(w, lc.block_n, lc.block_k)
+    t_desc = _tma_descriptor(w, lc.block_n_tail, lc.block_k) if lc.block_n_tail else w_desc
+    grid = (cdiv(N, lc.block_n + lc.block_n_tail), cdiv(M, BLOCK_M), split)
+    pdl = lc.pdl if lc.pdl and split > 1 and pdl_enabled(out.device) else 0
     _wgmma_ws_kernel[grid](
         x_desc, w_desc, t_desc, part, M, N, part.stride(0) if split > 1 else 0, part.stride(-2),
-        K, n_chunks * block_k, promote_chunks, num_stages, block_n_tail,
-        SPLIT_TAIL_REGISTERS if split_tail else WORKER_REGISTERS, consumers == 1, split_tail, pdl,
-        num_warps=8 if consumers == 1 else 4, maxnreg=WORKER_REGISTERS,
+        K, n_chunks * lc.block_k, lc.promote_chunks, lc.num_stages, lc.block_n_tail,
+        SPLIT_TAIL_REGISTERS if split_tail else WORKER_REGISTERS, split_tail, pdl,
+        num_warps=4, maxnreg=WORKER_REGISTERS,
     )  # fmt: skip
     if split > 1:
         reduce_partials(part, out, pdl > 0)
-    return out
-
-
-_FIXUP_ROWS = 16  # rows per fixup program: 16 x BN fp32 per slot, 16 values a thread at BN=128
-
-
-def _streamk_launch(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    out: torch.Tensor,
-    block_n: int,
-    block_k: int,
-    promote: int,
-    stages: int,
-    programs: int,
-    pdl: int,
-) -> torch.Tensor:
-    M, K = x.shape
-    N = w.shape[0]
-    chains = cdiv(K, promote * block_k)
-    tiles_n = cdiv(N, block_n)
-    units = cdiv(M, BLOCK_M) * chains  # row blocks x chains
-    groups = min(max(1, programs // tiles_n), units)
-    slots = streamk_slots(units, groups, chains)
-    ws = torch.empty((slots, M, N), dtype=torch.float32, device=out.device) if slots > 1 else out
-    x_desc = _tma_descriptor(x, BLOCK_M, block_k)
-    w_desc = _tma_descriptor(w, block_n, block_k)
-    pdl = bool(pdl) and slots > 1 and pdl_enabled(out.device)
-    _wgmma_ws_streamk_kernel[(groups * tiles_n,)](
-        x_desc, w_desc, out, ws, M, N, out.stride(0), ws.stride(0) if slots > 1 else 0, ws.stride(-2),
-        units, tiles_n, K, promote, stages, WORKER_REGISTERS, pdl, num_warps=4, maxnreg=WORKER_REGISTERS,
-    )  # fmt: skip
-    if slots > 1:
-        _streamk_fixup_kernel[(cdiv(M, BLOCK_M) * tiles_n * (BLOCK_M // _FIXUP_ROWS),)](
-            ws, out, M, N, ws.stride(0), ws.stride(1), out.stride(0), units, groups, tiles_n,
-            CHAINS=chains, BM=BLOCK_M, BN=block_n, SUB_M=_FIXUP_ROWS, SLOTS=slots, PDL=pdl, num_warps=4,
-            **launch_options(pdl),
-        )  # fmt: skip
     return out

@@ -1,6 +1,6 @@
 """Shared fixtures. GPU tests carry ``@pytest.mark.gpu`` and skip without CUDA; on a CPU machine
 the Triton kernels run under ``TRITON_INTERPRET=1`` (set here, before anything imports Triton),
-with ``tl.dot`` evaluated in one fixed, host-independent order (``testing.interpreter_dot``)."""
+with ``tl.dot`` evaluated in one fixed, host-independent order (``tests/interpreter_dot.py``)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,8 @@ if os.environ.get("ROUTER_EXT_FORCE_GPU") != "1":
 else:
     _HAS_CUDA = True
 
+import interpreter_dot  # noqa: E402  (tests/interpreter_dot.py)
 import torch  # noqa: E402
-
-from vllm_router_ext.testing import interpreter_dot  # noqa: E402
 
 HAS_CUDA = _HAS_CUDA
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -71,7 +70,7 @@ def dot_order(request):
 def table_env(monkeypatch):
     """``table_env(value)`` sets VLLM_ROUTER_EXT_TABLE (None: unset) and makes the dispatch re-read
     it; the variable and the cache are restored afterwards."""
-    import csrc_triton.configs as c
+    import csrc_triton.tables as c
 
     def set_table(value: str | None) -> None:
         if value is None:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from near_tie import build_near_tie_checkpoint
 
 from vllm_router_ext.audit import AuditError, Checkpoint, run_audit
 from vllm_router_ext.plotting import PLOT_MISSING
-from vllm_router_ext.testing.near_tie import build_near_tie_checkpoint
 
 LABELS = ["fp32", "bf16-fp32out", "bf16", "fp32 batch-invariant", "bf16-fp32out batch-invariant"]
 

@@ -49,7 +49,7 @@ def test_bench_cli_names_unknown_methods_and_the_allowed_ones():
 
 def test_bench_heuristic_columns_run_without_the_table(gen):
     """The benchmark's heuristic columns call the op with the table bypassed, and agree with it."""
-    from csrc_triton.configs import table_choice
+    from csrc_triton.tables import table_choice
     from vllm_router_ext.bench import METHODS
 
     x = torch.randn(5, 256, generator=gen).to(torch.bfloat16)
@@ -72,12 +72,8 @@ def test_bench_and_tune_help():
 
 def test_tuner_batch_invariant_candidates_are_well_formed():
     """Every K structure the tuner compares: its reference is the first tile, each candidate holds
-    whole promotions per split, every tuned M has a candidate, a fixed-point structure fits each
-    shape's K in the 31 splits its count holds, and the float sum gets no integer-ticket form."""
+    whole promotions per split, and every tuned M has a candidate."""
     import importlib.util
-
-    from csrc_triton.router_gemm_splitk import FIXED_MAX_SPLITS
-    from vllm_router_ext.benchmarking import SHAPES
 
     spec = importlib.util.spec_from_file_location("tune", REPO / "benchmarks/tune.py")
     tune = importlib.util.module_from_spec(spec)
@@ -85,65 +81,59 @@ def test_tuner_batch_invariant_candidates_are_well_formed():
     for mode in ("bf16-fp32out", "fp32"):
         structures = tune.bi_structures(mode)
         assert len(structures) == len(tune.BI_K_STRUCTURES)
-        assert [s for s in structures if not s[2]] == tune.bi_structures(mode, "split-order")
-        assert [s for s in structures if s[2]] == tune.bi_structures(mode, "fixed-point")
+        assert tune.bi_structures(mode, (512,)) == [s for s in structures if s[0] == 512]
+        with pytest.raises(ValueError, match=r"K split\(s\) \[300\] not among"):
+            tune.bi_structures(mode, (300,))
         for structure in structures:
-            kps, _, fixed = structure
-            cfgs = [c for t in tune.BI_TILES if (c := tune._bi_config(structure, t, mode)) is not None]
+            kps, _ = structure
+            cfgs = [tune._bi_config(structure, t, mode) for t in tune.BI_TILES]
             ref = tune._bi_config(structure, tune.BI_TILES[0], mode)
-            assert cfgs[0] == ref and ref.params["num_stages"] == 1
+            assert cfgs[0] == ref and ref.num_stages == 1
             for c in cfgs:
-                p = c.params
-                assert p["k_per_split"] == kps and bool(p.get("fixed_point")) == fixed
-                assert p["k_per_split"] % (p["block_k"] * (p["promote_chunks"] or 1)) == 0, c
-                assert fixed or not p.get("fixed_ticket"), c
+                assert c.k_per_split == kps
+                assert c.k_per_split % (c.block_k * (c.promote_chunks or 1)) == 0, c
             for m in tune.BI_M:
                 assert any(tune._bi_fits(c, m) for c in cfgs), (structure, m)
-            if fixed:
-                assert all(-(-s.k // kps) <= FIXED_MAX_SPLITS for s in SHAPES)
 
 
 def test_fp32_configs_promote_short_chains_of_two_or_more_chunks():
-    """Every fp32-mode config the dispatch can pick (the H200 table, the heuristic, the tuner's
+    """Every fp32-mode launch the dispatch can pick (the H200 table, the heuristic, the tuner's
     candidates) promotes its MMA chain every 2+ chunks, at most 256 along K: one chunk per chain
     would be folded by Triton (``acc + dot(a, b, 0)`` -> ``dot(a, b, acc)``) into one chain over K,
     8e-6 relative error instead of <= 2.5e-7 (docs/precision.md)."""
     import importlib.util
 
-    import pytest
-
-    from csrc_triton.configs import (
-        FP32_MAX_BLOCK_K,
-        KernelConfig,
-        fp32_promote_chunks,
-        heuristic_config,
-        load_table,
-        splitk_config,
-    )
+    from csrc_triton.launches import from_bucket
+    from csrc_triton.tables import load_table
     from vllm_router_ext.benchmarking import M_LIST, SHAPES
+    from vllm_router_ext.ops import choice
+    from vllm_router_ext.precision import RouterPrecision
 
     spec = importlib.util.spec_from_file_location("tune", REPO / "benchmarks/tune.py")
     tune = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tune)
     cfgs = [
-        KernelConfig(b["kernel"], b)
+        from_bucket(b, "tuned")
         for shape in load_table("NVIDIA H200")["shapes"].values()
         for key in ("fp32", "fp32/triton", "fp32/batch_invariant")
         for b in shape.get(key, [])
     ]
+    h200 = choice.Device("NVIDIA H200", 132, 90)
     cfgs += [
-        heuristic_config(m, s.k, s.n, "fp32", bi, 132) for s in SHAPES for m in M_LIST for bi in (False, True)
+        choice.heuristic(choice.Problem(m, s.k, s.n, RouterPrecision.FP32, bi, device=h200))
+        for s in SHAPES
+        for m in M_LIST
+        for bi in (False, True)
     ]
     cfgs += [c for m in M_LIST for c in tune.splitk_candidates(m, "fp32") + tune.tiled_candidates(m, "fp32")]
     assert {c.kernel for c in cfgs} == {"gemv", "splitk", "tiled", "wgmma_ws"}  # gemv: FMA, no chains
     for c in cfgs:
         if c.kernel == "gemv":
             continue
-        p = c.params
-        assert p["promote_chunks"] >= 2 and p["block_k"] * p["promote_chunks"] <= 2 * FP32_MAX_BLOCK_K, c
+        assert c.promote_chunks >= 2 and c.block_k * c.promote_chunks <= 2 * choice.FP32_MAX_BLOCK_K, c
     with pytest.raises(ValueError, match="block_k=256"):
-        fp32_promote_chunks(256)
-    assert splitk_config(16, 16, 512, 512, "fp32").params["block_k"] == FP32_MAX_BLOCK_K
+        choice.fp32_promote_chunks(256)
+    assert choice.splitk(16, 16, 512, 512, True).block_k == choice.FP32_MAX_BLOCK_K
 
 
 def test_tuner_merges_a_partial_retune_into_the_table_buckets():
@@ -153,36 +143,36 @@ def test_tuner_merges_a_partial_retune_into_the_table_buckets():
 
     import pytest
 
-    from csrc_triton.configs import KernelConfig, bucket_for
+    from csrc_triton.launches import SplitKLaunch, to_bucket
+    from csrc_triton.tables import bucket_for
 
     spec = importlib.util.spec_from_file_location("tune", REPO / "benchmarks/tune.py")
     tune = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tune)
-    gemv = {"kernel": "gemv", "block_m": 1, "block_n": 1, "k_per_split": 0, "num_warps": 8}
+    gemv = {"kernel": "gemv", "block_m": 1, "block_n": 1, "num_warps": 8}
+    split = {"kernel": "splitk", "block_n": 64, "block_k": 128, "k_per_split": 512}
     old = [
         {"max_m": 16, **gemv, "us": 3.5},
-        {"max_m": 256, "kernel": "splitk", "block_m": 64},
-        {"max_m": 384, "kernel": "splitk", "block_m": 128},  # an end off the benchmark's M list
+        {"max_m": 256, **split, "block_m": 64},
+        {"max_m": 384, **split, "block_m": 128},  # an end off the benchmark's M list
         {"max_m": None, "kernel": "cublas"},
     ]
-    new_cfg = KernelConfig("splitk", {"block_m": 32, "block_k": 128})
+    new_cfg = SplitKLaunch(block_m=32, block_n=64, block_k=128, k_per_split=1024)
     points = sorted(set((32, 64)) | set(tune.M_LIST))
     merged = tune.merge_buckets(old, {32: (7.0, new_cfg), 64: (8.0, new_cfg)}, points)
     for m in (*tune.M_LIST, 300, 384, 385):
         got = {k: v for k, v in bucket_for(merged, m).items() if k not in ("max_m", "us")}
         if m in (32, 64):
-            assert got == {"kernel": "splitk", "block_m": 32, "block_k": 128}, m
+            assert got == to_bucket(new_cfg), m
         else:
             assert got == {k: v for k, v in bucket_for(old, m).items() if k not in ("max_m", "us")}, m
     assert merged[-1]["max_m"] is None and len(merged) == 5  # gemv, new splitk, 2 old splitk, cuBLAS
     assert set(tune.TUNE_M_LIST) == set(tune.M_LIST) | {192, 384}
     with pytest.raises(SystemExit, match="--merge"):
         tune.merge_buckets([], {32: (7.0, new_cfg)}, (16, 32))  # nothing to keep for M=16
-    with pytest.raises(ValueError, match="sums='both-ish'"):
-        tune.bi_structures("fp32", "both-ish")
-    assert tune.bi_structures("fp32", "split-order", (256, 512)) == [(256, 128, False), (512, 128, False)]
+    assert tune.bi_structures("fp32", (256, 512)) == [(256, 128), (512, 128)]
     with pytest.raises(ValueError, match=r"K split\(s\) \[384\] not among .* allowed: \[256, 512, 1024\]"):
-        tune.bi_structures("fp32", "both", (256, 384))
+        tune.bi_structures("fp32", (256, 384))
     assert [tune.bi_limit(m) for m in (1, 256, 257, 16384)] == [1.5, 1.5, 2.0, 2.0]
     # K structures rank by the M over the limit first, then by the worst ratio to it: the H200's
     # DeepSeek-V3 case, where 256 tied 512 on the worst point (M=1) but also missed at 1024.
@@ -198,24 +188,24 @@ def test_tuner_keeps_the_fastest_triton_buckets_beside_wgmma_ws():
     Triton configs (``fp32/triton``: what an fp32 gate weight or a GPU without Gluon runs), and the
     dispatch's fallback looks them up."""
     import importlib.util
+    from dataclasses import replace
 
-    import csrc_triton.configs as c
-    from csrc_triton.configs import KernelConfig, bucket_for, select_config, wgmma_ws_config
+    import csrc_triton.tables as c
+    from csrc_triton.launches import CublasLaunch, SplitKLaunch, TiledLaunch, to_bucket
+    from csrc_triton.tables import bucket_for
+    from vllm_router_ext.ops import choice
+    from vllm_router_ext.precision import RouterPrecision
 
     spec = importlib.util.spec_from_file_location("tune", REPO / "benchmarks/tune.py")
     tune = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tune)
-    ws = wgmma_ws_config(128, 1792)
-    split = KernelConfig("splitk", {"block_m": 64, "block_k": 128})
-    tiled = KernelConfig("tiled", {"block_m": 128})
-    assert tune._fastest_triton([(5.0, ws), (6.0, KernelConfig("cublas")), (7.0, split)]) == (7.0, split)
-    previous = [
-        {"max_m": 512, "kernel": "splitk", "block_m": 16},
-        {"max_m": None, "kernel": "tiled", "block_m": 128},
-    ]
-    entry = {
-        "fp32": [{"max_m": 512, "kernel": "splitk", "block_m": 16}, {"max_m": None, "kernel": "wgmma_ws"}]
-    }
+    ws = choice.wgmma_ws(128, 1792)
+    split = SplitKLaunch(block_m=64, block_n=64, block_k=128, k_per_split=512, promote_chunks=2)
+    tiled = TiledLaunch(block_m=128, block_n=128, block_k=64, promote_chunks=2)
+    assert tune._fastest_triton([(5.0, ws), (6.0, CublasLaunch()), (7.0, split)]) == (7.0, split)
+    small = {**to_bucket(split), "block_m": 16}
+    previous = [{"max_m": 512, **small}, {"max_m": None, **to_bucket(tiled)}]
+    entry = {"fp32": [{"max_m": 512, **small}, {"max_m": None, **to_bucket(ws)}]}
     tune._triton_buckets(entry, "fp32", previous, {1024: (9.0, split), 4096: (20.0, tiled)}, tune.M_LIST)
     triton = entry["fp32/triton"]
     assert bucket_for(triton, 1024)["block_m"] == 64 and bucket_for(triton, 16384)["kernel"] == "tiled"
@@ -224,26 +214,21 @@ def test_tuner_keeps_the_fastest_triton_buckets_beside_wgmma_ws():
     tune._triton_buckets(entry, "fp32", previous, {}, tune.M_LIST)
     assert "fp32/triton" not in entry  # no wgmma_ws bucket: nothing to fall back from
 
-    table = {"shapes": {"7168x256": {"fp32": [{"max_m": None, "kernel": "wgmma_ws", **ws.params}],
-                                     "fp32/triton": triton}}}  # fmt: skip
+    table = {"shapes": {"7168x256": {"fp32": [{"max_m": None, **to_bucket(ws)}], "fp32/triton": triton}}}
+    gpu = choice.Device("GPU", 132, 90, gluon=True)
+    problem = choice.Problem(2048, 7168, 256, RouterPrecision.FP32, device=gpu)
     orig = c.load_table
     c.load_table = lambda name: table
     try:
-        assert select_config(2048, 7168, 256, "fp32", False, "GPU", 132).kernel == "wgmma_ws"
-        fallback = select_config(1024, 7168, 256, "fp32", False, "GPU", 132, wgmma_ws=False)
-        assert fallback.kernel == "splitk" and fallback.params["block_m"] == 64
+        assert choice.selected(problem).kernel == "wgmma_ws"
+        fallback = choice.selected(replace(problem, m=1024), allow_wgmma_ws=False)
+        assert fallback.kernel == "splitk" and fallback.block_m == 64
         table["shapes"]["7168x256"].pop("fp32/triton")  # no Triton buckets: the heuristic's
-        fallback = select_config(2048, 7168, 256, "fp32", False, "GPU", 132, wgmma_ws=False)
+        fallback = choice.selected(problem, allow_wgmma_ws=False)
         assert fallback.source == "heuristic" and fallback.kernel == "splitk"
-        # a hand-edited fp32/triton naming wgmma_ws again: the dispatch's fallback does not loop
-        import torch
-
-        import vllm_router_ext.ops.dispatch as d
-
+        # a hand-edited fp32/triton naming wgmma_ws again: the fallback does not loop
         table["shapes"]["7168x256"]["fp32/triton"] = table["shapes"]["7168x256"]["fp32"]
-        x = torch.zeros(2048, 7168, dtype=torch.bfloat16)
-        w = torch.zeros(256, 7168, dtype=torch.bfloat16)
-        assert d._to_run(ws, x, w, torch.empty(0), 90, "test").kernel == "splitk"
+        assert choice.wgmma_ws_fallback(problem).kernel == "splitk"
     finally:
         c.load_table = orig
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import interpreter_dot
 import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
+from interpreter_dot import fixed_order_dot
 
 from csrc_triton.environment import interpreting
-from vllm_router_ext.testing import interpreter_dot
-from vllm_router_ext.testing.interpreter_dot import fixed_order_dot
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="about Triton's interpreter (CPU runs)")
 

@@ -73,24 +73,22 @@ def test_every_dispatched_kernel_compiles(compile_runs, arch, name, sms):
 
 def test_wgmma_ws_forms_compile_for_sm90_without_spills():
     """Every form of the Gluon kernel, whether or not the table selects it today: plain, K split,
-    a 32-column tail (the default partition's second accumulator), stream-K with its fixup, a
-    64-column tail split between the consumers (the second one raised to 232 registers), one
-    8-warp consumer partition with and without a 64-column tail. The sm_90 compile (in a
-    subprocess, like the dispatch compile: no TRITON_INTERPRET) must not spill."""
+    a 32-column tail (the default partition's second accumulator), a 64-column tail split between
+    the consumers (the second one raised to 232 registers). The sm_90 compile (in a subprocess,
+    like the dispatch compile: no TRITON_INTERPRET) must not spill."""
     script = """
 import json, torch
 from vllm_router_ext.testing.aot import _captured_launches, _compile, _resources
-from csrc_triton.configs import wgmma_ws_stages
+from vllm_router_ext.ops.choice import wgmma_ws
 from csrc_triton.router_gemm_wgmma_ws import GLUON, wgmma_ws_launch
 out = []
-forms = [dict(), dict(k_per_split=1792), dict(block_n_tail=32), dict(stream_k=132), dict(block_n_tail=64),
-         dict(consumers=1), dict(consumers=1, block_n_tail=64)]
+forms = [dict(k_per_split=0), dict(k_per_split=1792), dict(k_per_split=0, block_n_tail=32),
+         dict(k_per_split=0, block_n_tail=64)]
 for form in forms if GLUON else []:
     n = 160 if form.get("block_n_tail") == 32 else 384
     x, w = torch.zeros(8192, 7168, dtype=torch.bfloat16), torch.zeros(n, 7168, dtype=torch.bfloat16)
     with _captured_launches() as launches:
-        wgmma_ws_launch(x, w, torch.empty(8192, n), block_n=128, block_k=64, promote_chunks=4,
-                        num_stages=wgmma_ws_stages(128, 64, form.get("block_n_tail", 0)), **form)
+        wgmma_ws_launch(x, w, torch.empty(8192, n), wgmma_ws(128, **form))
     for fn, args, kwargs in launches:
         out.append([str(form), fn.__name__, *_resources(_compile(fn, args, kwargs, 90))])
 print(json.dumps(out))
@@ -104,7 +102,7 @@ print(json.dumps(out))
     if not GLUON:
         pytest.skip("this Triton has no Gluon warp specialisation: the dispatch never selects the kernel")
     kernels = {r[1] for r in results}
-    assert {"_wgmma_ws_kernel", "_wgmma_ws_streamk_kernel", "_streamk_fixup_kernel"} <= kernels
+    assert {"_wgmma_ws_kernel", "_splitk_reduce_kernel"} <= kernels
     assert not [r for r in results if r[3]], results  # spill bytes
 
 
@@ -117,8 +115,11 @@ def test_pdl_forms_compile_with_grid_dependency_control():
 import json, torch
 from csrc_triton import pdl
 from vllm_router_ext.testing.aot import _captured_launches, _compile
+from dataclasses import replace
+from csrc_triton.launches import SplitKLaunch
 from csrc_triton.router_gemm_splitk import splitk_launch
 from csrc_triton.router_gemm_wgmma_ws import GLUON, wgmma_ws_launch
+from vllm_router_ext.ops.choice import wgmma_ws
 x, w = torch.zeros(512, 7168, dtype=torch.bfloat16), torch.zeros(384, 7168, dtype=torch.bfloat16)
 out = []
 for arch in (90, 80):
@@ -127,12 +128,10 @@ for arch in (90, 80):
     for kind, form in forms:
         with _captured_launches() as launches, pdl.forced(arch >= 90):
             if kind == "splitk":
-                splitk_launch(x, w, torch.empty(512, 384), block_m=64, block_n=64, block_k=128,
-                              k_per_split=1024, promote_chunks=2, dot_mode=0, ticket=False, num_stages=3,
-                              pdl=True)
+                splitk_launch(x, w, torch.empty(512, 384), SplitKLaunch(64, 64, 128, 1024, promote_chunks=2,
+                              ticket=False, num_stages=3, pdl=True))
             else:
-                wgmma_ws_launch(x, w, torch.empty(512, 384), block_n=128, block_k=64, promote_chunks=4,
-                                num_stages=6, k_per_split=1792, **form)
+                wgmma_ws_launch(x, w, torch.empty(512, 384), replace(wgmma_ws(128, 1792), **form))
         for fn, args, kwargs in launches:
             ptx = _compile(fn, args, kwargs, arch).asm["ptx"]
             out.append([arch, kind, str(form), fn.__name__, ptx.count("griddepcontrol.launch_dependents"),

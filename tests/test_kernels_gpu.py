@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from csrc_triton.configs import KernelConfig
+from csrc_triton.launches import GemvLaunch, SplitKLaunch, WgmmaWsLaunch, describe, from_bucket
 from vllm_router_ext.benchmarking import SHAPES
-from vllm_router_ext.ops import router_gemm
-from vllm_router_ext.ops.dispatch import config_for, dot_mode_for, run_config
+from vllm_router_ext.ops import choice, router_gemm
+from vllm_router_ext.ops.dispatch import launch_exactly, launch_into
 from vllm_router_ext.ops.reference import changed_expert_sets, select_experts
 from vllm_router_ext.ops.router_gemm import fp32_weight_terms
 from vllm_router_ext.precision import RouterPrecision
@@ -24,6 +26,15 @@ def _rel(out, x, w):
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def _pick(x, w, mode, batch_invariant=False):
+    """What the dispatch launches for these tensors."""
+    return choice.choose(choice.Problem.of(x, w, RouterPrecision(mode), batch_invariant))
+
+
+def _run(launch, x, w, out):
+    return launch_into(launch, x.contiguous() if launch.kernel == "cublas" else x, w, out)
+
+
 def _xw(m, shape, w_dtype=torch.bfloat16, row_stride=None):
     k = shape.k
     xs = torch.randn(m, row_stride or k, device="cuda").to(torch.bfloat16)
@@ -37,13 +48,11 @@ def test_every_shape_and_m_poisoned_and_accurate(shape, mode):
     prec = RouterPrecision(mode)
     for m in MS:
         x, w = _xw(m, shape, row_stride=shape.k + 64)  # non-contiguous rows
-        cfg = config_for(x, w, prec, False)
+        cfg = _pick(x, w, prec)
         out_dtype = torch.bfloat16 if mode == "bf16" else torch.float32
         out = torch.full((m, shape.n), float("nan"), dtype=out_dtype, device="cuda")
-        res = run_config(
-            cfg, x.contiguous() if cfg.kernel == "cublas" else x, w, out, dot_mode_for(x.dtype, w.dtype)
-        )
-        assert not res.isnan().any(), (m, cfg.describe())
+        res = _run(cfg, x, w, out)
+        assert not res.isnan().any(), (m, describe(cfg))
         via_op = router_gemm(x, w, mode)
         assert via_op.dtype == out_dtype and via_op.shape == (m, shape.n)
         if m:
@@ -51,19 +60,31 @@ def test_every_shape_and_m_poisoned_and_accurate(shape, mode):
             assert _rel(via_op, x, w) <= tol, (m, cfg.describe())
 
 
+@pytest.mark.parametrize("mode", ["bf16-fp32out", "bf16"])
+def test_a_16_bit_mode_on_an_fp32_weight_runs_triton_not_cublas(mode):
+    """cuBLAS multiplies one dtype: bf16 activations with a genuinely fp32 weight in a 16-bit mode
+    run the Triton kernels at every M, accurate to the mode's bound."""
+    shape = SHAPES[0]
+    for m in (1, 65, 300, 4096):
+        x, w = _xw(m, shape, w_dtype=torch.float32)
+        assert _pick(x, w, mode).kernel != "cublas", m
+        out = router_gemm(x, w, mode)
+        assert _rel(out, x, w) <= (1e-5 if mode == "bf16-fp32out" else 8e-3), m
+
+
 def _table_buckets_at_both_ends():
     """(shape, table key, config, M) for every bucket of the shipped H200 table, non-invariant and
     the ``/triton`` fallbacks, at its first and its last M (capped at 8192)."""
-    from csrc_triton.configs import PARAM_KEYS, table_buckets, table_override
+    from csrc_triton.tables import table_buckets, table_override
 
     cases = []
     with table_override("nvidia_h200"):
         for shape in SHAPES:
-            for mode, variant in (("bf16-fp32out", ""), ("fp32", ""), ("fp32", "triton")):
-                key, low = f"{mode}/{variant}" if variant else mode, 1
-                for bucket in table_buckets("NVIDIA H200", shape.k, shape.n, mode, variant=variant):
+            for key in ("bf16-fp32out", "fp32", "fp32/triton"):
+                low = 1
+                for bucket in table_buckets("NVIDIA H200", shape.k, shape.n, key):
                     high = min(bucket["max_m"] or 16384, 8192)
-                    cfg = KernelConfig(bucket["kernel"], {p: v for p, v in bucket.items() if p in PARAM_KEYS})
+                    cfg = from_bucket(bucket, "tuned nvidia_h200")
                     cases += [(shape, key, cfg, m) for m in sorted({low, high}) if m >= low]
                     low = (bucket["max_m"] or 16384) + 1
     return cases
@@ -72,12 +93,12 @@ def _table_buckets_at_both_ends():
 @pytest.mark.parametrize(
     "shape, key, cfg, m",
     _table_buckets_at_both_ends(),
-    ids=lambda v: getattr(v, "name", None) or (v.describe() if isinstance(v, KernelConfig) else str(v)),
+    ids=lambda v: getattr(v, "name", None) or (describe(v) if hasattr(v, "kernel") else str(v)),
 )
 def test_every_table_bucket_at_both_ends(shape, key, cfg, m):
     """Each bucket of the shipped H200 table, at its first and last M: the dispatch picks it
     (with the table forced, as on an H200), and its logits are all written and accurate."""
-    from csrc_triton.configs import table_override
+    from csrc_triton.tables import table_override
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the H200 table's wgmma_ws / PDL configs are for Hopper")
@@ -85,54 +106,51 @@ def test_every_table_bucket_at_both_ends(shape, key, cfg, m):
     x, w = _xw(m, shape, row_stride=shape.k + 64)
     if key == mode:
         with table_override("nvidia_h200"):
-            picked = config_for(x, w, RouterPrecision(mode), False)
-        assert (picked.kernel, picked.params) == (cfg.kernel, cfg.params), (m, picked.describe())
+            picked = _pick(x, w, mode)
+        resolved = choice.resolve(cfg, choice.Problem.of(x, w, RouterPrecision(mode)))
+        assert picked == resolved, (m, describe(picked))
     out = torch.full((m, shape.n), float("nan"), device="cuda")
-    x_in = x.contiguous() if cfg.kernel == "cublas" else x
-    res = run_config(cfg, x_in, w, out, dot_mode_for(x.dtype, w.dtype))
+    res = _run(cfg, x, w, out)
     tol = 1e-6 if mode == "fp32" else 1e-5
-    assert not res.isnan().any() and _rel(res, x, w) <= tol, (m, cfg.describe())
+    assert not res.isnan().any() and _rel(res, x, w) <= tol, (m, describe(cfg))
 
 
-GEMV_CONFIGS = [  # the tuner's GEMV space at its corners, plus split-K forms of it
-    dict(block_m=1, block_n=1, k_per_split=0, num_warps=8),
-    dict(block_m=1, block_n=1, k_per_split=0, num_warps=16),
-    dict(block_m=2, block_n=2, k_per_split=0, num_warps=8),
-    dict(block_m=4, block_n=4, k_per_split=0, num_warps=4),
-    dict(block_m=4, block_n=2, k_per_split=2048, num_warps=4),
-    dict(block_m=2, block_n=4, k_per_split=1024, num_warps=4, ticket=False),
-    dict(block_m=1, block_n=2, k_per_split=0, num_warps=4, maxnreg=255),
-    dict(block_m=2, block_n=2, k_per_split=0, num_warps=4, copy_stages=7),
-    dict(block_m=4, block_n=2, k_per_split=2048, num_warps=4, copy_stages=2),
+GEMV_LAUNCHES = [  # the tuner's GEMV space at its corners
+    GemvLaunch(block_m=1, block_n=1, num_warps=8),
+    GemvLaunch(block_m=1, block_n=1, num_warps=16),
+    GemvLaunch(block_m=2, block_n=2, num_warps=8),
+    GemvLaunch(block_m=4, block_n=4, num_warps=4),
+    GemvLaunch(block_m=1, block_n=2, num_warps=4, maxnreg=255),
+    GemvLaunch(block_m=2, block_n=2, num_warps=4, copy_stages=7),
+    GemvLaunch(block_m=4, block_n=2, num_warps=4, copy_stages=2),
 ]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-@pytest.mark.parametrize("params", GEMV_CONFIGS, ids=lambda p: "-".join(map(str, p.values())))
+@pytest.mark.parametrize("cfg", GEMV_LAUNCHES, ids=describe)
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32], ids=["bf16-weight", "fp32-weight"])
-def test_gemv_kernel_poisoned_and_accurate(shape, params, w_dtype):
-    """Every GEMV config shape the tuner may pick, on every shape, with strided activations: all
+def test_gemv_kernel_poisoned_and_accurate(shape, cfg, w_dtype):
+    """Every GEMV launch shape the tuner may pick, on every shape, with strided activations: all
     of ``out`` written, fp32-upcast accuracy (it is an fp32 FMA kernel)."""
-    cfg = KernelConfig("gemv", params)
     for m in (1, 2, 3, 5, 16, 17):
         x, w = _xw(m, shape, w_dtype=w_dtype, row_stride=shape.k + 64)
         out = torch.full((m, shape.n), float("nan"), device="cuda")
-        run_config(cfg, x, w, out, dot_mode_for(x.dtype, w.dtype))
-        assert not out.isnan().any(), (m, cfg.describe())
-        assert _rel(out, x, w) <= 1e-6, (m, cfg.describe())
+        _run(cfg, x, w, out)
+        assert not out.isnan().any(), (m, describe(cfg))
+        assert _rel(out, x, w) <= 1e-6, (m, describe(cfg))
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 def test_gemv_launch_options_are_bitwise_the_plain_gemv(shape):
     """On the GPU too, copying chunks ahead (cp.async) or raising ptxas's register budget only
     moves the loads: the same FMAs in the same order, bitwise the same logits."""
-    plain = dict(block_m=2, block_n=2, k_per_split=0, num_warps=4)
+    plain = GemvLaunch(block_m=2, block_n=2, num_warps=4)
     for m in (1, 4, 7):
         x, w = _xw(m, shape, w_dtype=torch.bfloat16, row_stride=shape.k + 64)
         outs = []
-        for launch in ({}, dict(copy_stages=7), dict(maxnreg=255)):
+        for options in ({}, dict(copy_stages=7), dict(maxnreg=255)):
             out = torch.full((m, shape.n), float("nan"), device="cuda")
-            run_config(KernelConfig("gemv", {**plain, **launch}), x, w, out, dot_mode_for(x.dtype, w.dtype))
+            _run(replace(plain, **options), x, w, out)
             outs.append(out)
         assert all(torch.equal(outs[0], o) for o in outs[1:]), m
 
@@ -151,108 +169,71 @@ def test_wgmma_ws_kernel_poisoned_and_accurate(shape, k_per_split, block_n):
     """The warp-specialised wgmma kernel (Hopper), unsplit and split, both tile widths, on every
     shape, M around its 128-row tiles, strided activations: all of ``out`` written, fp32-mode
     accuracy (<= 1e-6: an unpromoted whole-K chain measures ~8e-6 at K=7168)."""
-    from csrc_triton.configs import wgmma_ws_config
-    from csrc_triton.router_gemm_wgmma_ws import unsupported_reason
-
     if not _hopper():
         pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
-    cfg = wgmma_ws_config(block_n, k_per_split)
+    cfg = choice.wgmma_ws(block_n, k_per_split)
     for m in (1, 3, 127, 128, 129, 1000, 4097):
         x, w = _xw(m, shape, row_stride=shape.k + 64)
-        assert unsupported_reason(x, w, 90) is None
+        assert choice.wgmma_ws_problem(choice.Problem.of(x, w, RouterPrecision.FP32)) is None
         out = torch.full((m, shape.n), float("nan"), device="cuda")
-        run_config(cfg, x, w, out, dot_mode_for(x.dtype, w.dtype))
-        assert not out.isnan().any(), (m, cfg.describe())
-        assert _rel(out, x, w) <= 1e-6, (m, cfg.describe())
+        launch_exactly(cfg, x, w, out)
+        assert not out.isnan().any(), (m, describe(cfg))
+        assert _rel(out, x, w) <= 1e-6, (m, describe(cfg))
 
 
-#: (consumer partitions, tail columns, K per split) of the wider and one-partition tile forms:
-#: 16/32-column tails on the first consumer for all 128 rows, a 64-column tail split
-#: between the two consumers, and one 8-warp consumer partition with 0-64-column tails
-WGMMA_WS_FORMS = [(2, tail, kps) for tail in (16, 32) for kps in (0, 1792)] + [
-    (consumers, tail, kps)
-    for consumers, tail in ((1, 0), (1, 32), (1, 64), (2, 64))
-    for kps in WGMMA_WS_SPLITS
+#: (tail columns, K per split) of the wider tiles: 16/32-column tails on the first consumer for
+#: all 128 rows, a 64-column tail split between the two consumers
+WGMMA_WS_FORMS = [(tail, kps) for tail in (16, 32) for kps in (0, 1792)] + [
+    (64, kps) for kps in WGMMA_WS_SPLITS
 ]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-@pytest.mark.parametrize("consumers,tail,k_per_split", WGMMA_WS_FORMS, ids=lambda v: str(v))
-def test_wgmma_ws_wide_and_one_partition_tiles_equal_to_plain_tiles(shape, consumers, tail, k_per_split):
+@pytest.mark.parametrize("tail,k_per_split", WGMMA_WS_FORMS, ids=lambda v: str(v))
+def test_wgmma_ws_wide_tiles_equal_to_plain_tiles(shape, tail, k_per_split):
     """Tiles of 128 + tail columns (a second accumulator and TMA block: 160 = 128 + 32 and 192 =
-    128 + 64 experts in one tile), and both consumer warpgroups in one 8-warp partition: every
-    logit written, fp32-mode accuracy, and bitwise the two-partition 128-wide tiles' logits (per
-    element the same chains and adds; a wrong tail offset, or a stage released before every
-    wgmma reading it retired, would differ)."""
-    from csrc_triton.configs import wgmma_ws_config
-
+    128 + 64 experts in one tile): every logit written, fp32-mode accuracy, and bitwise the
+    128-wide tiles' logits (per element the same chains and adds; a wrong tail offset, or a stage
+    released before every wgmma reading it retired, would differ)."""
     if not _hopper():
         pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
-    cfg = wgmma_ws_config(128, k_per_split, block_n_tail=tail, consumers=consumers)
-    plain = wgmma_ws_config(128, k_per_split)
+    cfg = choice.wgmma_ws(128, k_per_split, block_n_tail=tail)
+    plain = choice.wgmma_ws(128, k_per_split)
     for m in (1, 129, 1000, 4097):
         x, w = _xw(m, shape, row_stride=shape.k + 64)
         out = torch.full((m, shape.n), float("nan"), device="cuda")
-        run_config(cfg, x, w, out, dot_mode_for(x.dtype, w.dtype))
-        assert not out.isnan().any(), (m, cfg.describe())
-        assert _rel(out, x, w) <= 1e-6, (m, cfg.describe())
-        ref = run_config(plain, x, w, torch.empty_like(out), dot_mode_for(x.dtype, w.dtype))
-        assert torch.equal(out, ref), (m, cfg.describe())
-
-
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-@pytest.mark.parametrize("programs", [132, 100, 7])
-def test_wgmma_ws_stream_k_poisoned_and_accurate(shape, programs):
-    """Stream-K: the programs share every tile's chains (a program ends one tile, runs whole ones,
-    starts the next; shared tiles' partials added by the fixup): every logit written, fp32-mode
-    accuracy, at M from one tile to many waves, 128- and 64-wide tiles."""
-    from csrc_triton.configs import wgmma_ws_config
-
-    if not _hopper():
-        pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
-    for block_n in (128, 64):
-        cfg = wgmma_ws_config(block_n, 0, stream_k=programs)
-        for m in (1, 129, 1000, 4097, 8192):
-            x, w = _xw(m, shape, row_stride=shape.k + 64)
-            out = torch.full((m, shape.n), float("nan"), device="cuda")
-            run_config(cfg, x, w, out, dot_mode_for(x.dtype, w.dtype))
-            assert not out.isnan().any(), (m, cfg.describe())
-            assert _rel(out, x, w) <= 1e-6, (m, cfg.describe())
+        launch_exactly(cfg, x, w, out)
+        assert not out.isnan().any(), (m, describe(cfg))
+        assert _rel(out, x, w) <= 1e-6, (m, describe(cfg))
+        ref = launch_exactly(plain, x, w, torch.empty_like(out))
+        assert torch.equal(out, ref), (m, describe(cfg))
 
 
 def test_wgmma_ws_falls_back_where_tma_cannot_read_the_rows():
     """Rows whose stride is not a multiple of 16 bytes cannot be TMA-loaded: the config runs on
     the heuristic's Triton kernel instead, with the same accuracy."""
-    from csrc_triton.configs import wgmma_ws_config
-    from csrc_triton.router_gemm_wgmma_ws import unsupported_reason
-
     shape = SHAPES[0]
     x, w = _xw(300, shape, row_stride=shape.k + 1)
-    assert unsupported_reason(x, w, 90) is not None
+    assert "16-byte" in choice.wgmma_ws_problem(choice.Problem.of(x, w, RouterPrecision.FP32))
     out = torch.full((300, shape.n), float("nan"), device="cuda")
-    run_config(wgmma_ws_config(128, 1792), x, w, out, dot_mode_for(x.dtype, w.dtype))
+    launch_into(choice.wgmma_ws(128, 1792), x, w, out)
     assert not out.isnan().any() and _rel(out, x, w) <= 1e-6
 
 
 @pytest.mark.parametrize(
-    "k_per_split,tail,stream_k,consumers",
-    [(0, 0, 0, 2), (1792, 0, 0, 2), (0, 32, 0, 2), (1792, 32, 0, 2), (0, 0, 132, 2), (0, 64, 0, 1),
-     (1792, 64, 0, 1), (0, 64, 0, 2), (1792, 64, 0, 2)],
-    ids=lambda v: str(v),
-)  # fmt: skip
-def test_wgmma_ws_graph_replay_equals_eager(k_per_split, tail, stream_k, consumers):
-    from csrc_triton.configs import wgmma_ws_config
-
+    "k_per_split,tail", [(0, 0), (1792, 0), (0, 32), (1792, 32), (0, 64), (1792, 64)], ids=lambda v: str(v)
+)
+def test_wgmma_ws_graph_replay_equals_eager(k_per_split, tail):
     if not _hopper():
         pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
-    cfg = wgmma_ws_config(128, k_per_split, block_n_tail=tail, stream_k=stream_k, consumers=consumers)
+    cfg = choice.wgmma_ws(128, k_per_split, block_n_tail=tail)
     x, w = _xw(2000, SHAPES[1])
-    eager = run_config(cfg, x, w, torch.empty(2000, w.shape[0], device="cuda"), 0)
+    eager = launch_exactly(cfg, x, w, torch.empty(2000, w.shape[0], device="cuda"))
     out = torch.full_like(eager, float("nan"))
-    run_config(cfg, x, w, out, 0)  # warm-up (compile) outside the capture
+    launch_exactly(cfg, x, w, out)  # warm-up (compile) outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run_config(cfg, x, w, out, 0)
+        launch_exactly(cfg, x, w, out)
     for _ in range(3):
         out.fill_(float("nan"))
         graph.replay()
@@ -260,57 +241,54 @@ def test_wgmma_ws_graph_replay_equals_eager(k_per_split, tail, stream_k, consume
         assert torch.equal(out, eager)
 
 
-#: (kernel, params) of K-split configs whose split sum is launched each way: the split-K kernel's
-#: ticket (one launch) and two launches with PDL, fp32 promotion and bf16-fp32out (no promotion);
-#: ``wgmma_ws`` with the sum plain, PDL let go early and late, with a 64-column split tail; stream-K.
+#: K-split launches whose split sum is launched each way: the split-K kernel's ticket (one
+#: launch) and two launches with PDL, fp32 promotion and bf16-fp32out (no promotion); ``wgmma_ws``
+#: with the sum plain, PDL let go early and late, with a 64-column split tail.
 SPLIT_SUM_FORMS = [
-    ("splitk", dict(block_m=64, block_n=64, block_k=128, k_per_split=1024, promote_chunks=2, num_stages=3)),
-    ("splitk", dict(block_m=16, block_n=16, block_k=128, k_per_split=512, promote_chunks=4, num_stages=1)),
-    ("wgmma_ws", dict(block_n=128, block_k=64, k_per_split=1024, promote_chunks=4, num_stages=6)),
-    ("wgmma_ws", dict(block_n=128, block_n_tail=64, block_k=64, k_per_split=1792, promote_chunks=4,
-                      num_stages=5)),
-    ("wgmma_ws", dict(block_n=128, block_k=64, stream_k=132, promote_chunks=4, num_stages=6)),
-]  # fmt: skip
+    SplitKLaunch(block_m=64, block_n=64, block_k=128, k_per_split=1024, promote_chunks=2, num_stages=3),
+    SplitKLaunch(block_m=16, block_n=16, block_k=128, k_per_split=512, promote_chunks=4, num_stages=1),
+    WgmmaWsLaunch(block_n=128, block_k=64, k_per_split=1024, promote_chunks=4, num_stages=6),
+    WgmmaWsLaunch(block_n=128, block_n_tail=64, block_k=64, k_per_split=1792, promote_chunks=4, num_stages=5),
+]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-@pytest.mark.parametrize("kernel,params", SPLIT_SUM_FORMS, ids=lambda v: str(v))
-def test_split_sum_launch_forms_bitwise_equal_eager_and_graphs(shape, kernel, params):
+@pytest.mark.parametrize("launch", SPLIT_SUM_FORMS, ids=describe)
+def test_split_sum_launch_forms_bitwise_equal_eager_and_graphs(shape, launch):
     """The K-split sum's launch forms (``split_sum_variants``, which the tuner times: ticket or
     two launches with the second a programmatic dependent launch; PDL early or late) add the same
     partials in the same order: bitwise the same logits, every one written, in eager mode and in
     CUDA-graph replay. A dependent launch that read the partials before its ``griddepcontrol.wait``
     (or a first kernel that let it go before its stores were ordered) would differ or leave NaN."""
+    kernel = launch.kernel
     if kernel == "wgmma_ws" and not _hopper():
         pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
-    if params.get("block_n_tail") and shape.n % 192:
+    if getattr(launch, "block_n_tail", 0) and shape.n % 192:
         pytest.skip("192-wide tiles are for N divisible by 192")
     import os
 
-    from csrc_triton.configs import split_sum_variants
     from csrc_triton.pdl import ENV_VAR, pdl_enabled
 
     assert os.environ.get(ENV_VAR, "1") != "0"
     assert pdl_enabled(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
-    variants = split_sum_variants(KernelConfig(kernel, params), shape.k)
+    variants = choice.split_sum_variants(launch, shape.k)
     assert len(variants) == (2 if kernel == "splitk" else 3)
     for m in (1, 300, 2000):
         x, w = _xw(m, shape)
-        dot = dot_mode_for(x.dtype, w.dtype)
-        ref = run_config(variants[0], x, w, torch.full((m, shape.n), float("nan"), device="cuda"), dot)
-        assert not ref.isnan().any() and _rel(ref, x, w) <= 1e-6, (m, variants[0].describe())
+        ref = launch_exactly(variants[0], x, w, torch.full((m, shape.n), float("nan"), device="cuda"))
+        assert not ref.isnan().any() and _rel(ref, x, w) <= 1e-6, (m, describe(variants[0]))
         for cfg in variants[1:]:
             out = torch.full_like(ref, float("nan"))
-            run_config(cfg, x, w, out, dot)
-            assert torch.equal(out, ref), (m, cfg.describe())
+            launch_exactly(cfg, x, w, out)
+            assert torch.equal(out, ref), (m, describe(cfg))
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                run_config(cfg, x, w, out, dot)
+                launch_exactly(cfg, x, w, out)
             for _ in range(3):
                 out.fill_(float("nan"))
                 graph.replay()
                 torch.cuda.synchronize()
-                assert torch.equal(out, ref), (m, cfg.describe(), "graph replay")
+                assert torch.equal(out, ref), (m, describe(cfg), "graph replay")
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
@@ -320,16 +298,12 @@ def test_flat_chain_is_bitwise_the_unrolled_split(shape, promote_chunks):
     pipelines it: the bf16-fp32out buckets at 128-512 tokens) does the same MMAs into the same
     accumulator as the unrolled split: bitwise the same logits, every one written, accurate."""
     kps = 512 if promote_chunks == 0 else 256  # one chain a split: 4 chunks, or fp32's 2
-    base = dict(block_m=64, block_n=64, block_k=128, k_per_split=kps, promote_chunks=promote_chunks,
-                ticket=False, pdl=True)  # fmt: skip
+    base = SplitKLaunch(64, 64, 128, kps, promote_chunks=promote_chunks, ticket=False, pdl=True)
     for m in (1, 300, 2000):
         x, w = _xw(m, shape)
-        dot = dot_mode_for(x.dtype, w.dtype)
         nan = torch.full((m, shape.n), float("nan"), device="cuda")
-        unrolled = run_config(KernelConfig("splitk", {**base, "num_stages": 1}), x, w, nan.clone(), dot)
-        flat = run_config(
-            KernelConfig("splitk", {**base, "num_stages": 3, "flat_chain": True}), x, w, nan, dot
-        )
+        unrolled = launch_into(replace(base, num_stages=1), x, w, nan.clone())
+        flat = launch_into(replace(base, num_stages=3, flat_chain=True), x, w, nan)
         assert not unrolled.isnan().any() and torch.equal(flat, unrolled), m
         assert _rel(flat, x, w) <= (1e-5 if promote_chunks == 0 else 1e-6), m
 
@@ -461,7 +435,7 @@ HEURISTIC_MS = [1, 4, 5, 64, 65, 128, 129, 256, 257, 512, 513, 1023, 1024, 2048,
 def test_heuristic_without_a_table_poisoned_and_accurate(shape, mode):
     """What a GPU without a tuned table runs (``VLLM_ROUTER_EXT_TABLE=none`` here): every
     heuristic config at and beside its switch points, poisoned, against fp64, and through the op."""
-    from csrc_triton.configs import table_override
+    from csrc_triton.tables import table_override
 
     prec = RouterPrecision(mode)
     tol = {"fp32": 1e-6, "bf16-fp32out": 1e-5, "bf16": 8e-3}[mode]
@@ -469,15 +443,13 @@ def test_heuristic_without_a_table_poisoned_and_accurate(shape, mode):
     with table_override("none"):
         for m in HEURISTIC_MS:
             x, w = _xw(m, shape, row_stride=shape.k + 64)  # non-contiguous rows
-            cfg = config_for(x, w, prec, False)
+            cfg = _pick(x, w, prec)
             assert cfg.source == "heuristic", cfg
             out = torch.full((m, shape.n), float("nan"), dtype=out_dtype, device="cuda")
-            res = run_config(
-                cfg, x.contiguous() if cfg.kernel == "cublas" else x, w, out, dot_mode_for(x.dtype, w.dtype)
-            )
-            assert not res.isnan().any() and _rel(res, x, w) <= tol, (m, cfg.describe())
+            res = _run(cfg, x, w, out)
+            assert not res.isnan().any() and _rel(res, x, w) <= tol, (m, describe(cfg))
             via_op = router_gemm(x, w, mode)
-            assert via_op.dtype == out_dtype and _rel(via_op, x, w) <= tol, (m, cfg.describe())
+            assert via_op.dtype == out_dtype and _rel(via_op, x, w) <= tol, (m, describe(cfg))
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
@@ -485,7 +457,7 @@ def test_heuristic_without_a_table_poisoned_and_accurate(shape, mode):
 def test_heuristic_batch_invariant_needle_eager_and_graphs(shape, mode):
     """The needle test on the heuristic's batch-invariant configs (no tuned table), and the
     start-up self-check's probes for them."""
-    from csrc_triton.configs import table_override
+    from csrc_triton.tables import table_override
     from vllm_router_ext.selfcheck import check_batch_invariance, probe_sizes
 
     with table_override("none"):
@@ -493,8 +465,8 @@ def test_heuristic_batch_invariant_needle_eager_and_graphs(shape, mode):
         w = _xw(1, shape)[1]
         sizes = probe_sizes(w, RouterPrecision(mode))
         row = torch.empty(1, shape.k, device="cuda", dtype=torch.bfloat16)
-        configs = {m: config_for(row.expand(m, -1), w, RouterPrecision(mode), True) for m in sizes}
-        fused = [m for m in sizes if configs[m].params.get("splits_in_program")]
+        launches = {m: _pick(row.expand(m, -1), w, mode, True) for m in sizes}
+        fused = [m for m in sizes if launches[m].splits_in_program]
         assert fused and fused[0] - 1 in sizes  # the heuristic's switch to splits in one program
         check_batch_invariance(lambda x, w: router_gemm(x, w, mode, batch_invariant=True), w, sizes=sizes)
 
@@ -515,39 +487,39 @@ def test_selfcheck_passes_on_the_invariant_kernel_and_refuses_a_variant_one():
 @pytest.mark.parametrize("mode", ["bf16-fp32out", "fp32"])
 def test_splits_in_program_bitwise_equal_ticket_reduction(shape, mode):
     """The batch-invariant tables sum a tile's splits in one program at large M and across
-    programs at small M (a ticket, or the exact fixed-point sum in memory): on the GPU's real MMAs
-    (mma.sync for small tiles, wgmma for large ones) the logits must be bitwise the same for one K
-    structure and one kind of sum, and so must the heuristic's own pair."""
-    from csrc_triton.configs import heuristic_config, splitk_config
-    from csrc_triton.router_gemm_splitk import _FIXED_WORDS
-
+    programs at small M (a ticket): on the GPU's real MMAs (mma.sync for small tiles, wgmma for
+    large ones) the logits must be bitwise the same for one K structure, and so must the
+    heuristic's own pair."""
     x, w = _xw(300, shape)
     x = x.contiguous()
-    dot = dot_mode_for(x.dtype, w.dtype)
+    fp32 = mode == "fp32"
     block_k = 128  # the fp32 mode: chains of two 128-wide chunks
-    for kps, fixed in ((256, True), (512, True), (512, False), (1024, False)):
-        ref_cfg = splitk_config(16, 16, block_k, kps, mode, fixed_point=fixed)
-        ref = run_config(ref_cfg, x, w, torch.full((300, shape.n), float("nan"), device="cuda"), dot)
-        assert _rel(ref, x, w) <= (1e-6 if mode == "fp32" else 1e-5)
-        tiles = [(64, 32, 4, 3, True), (64, 128, 4, 3, True), (128, 64, 4, 3, True), (128, 128, 8, 3, True)]
-        if fixed:  # small-M tiles (one load and one MMA chain per split), mid-M integer tickets
-            tiles += [(16, 32, 4, 1, False), (64, 64, 4, 3, False), (64, 32, 4, 1, "ticket")]
-            tiles += [(128, 64, 4, 3, "ticket"), (128, 64, 8, 3, True)]
-        for block_m, block_n, warps, stages, in_program in tiles:
-            bk = 256 if fixed and in_program is False and stages == 1 and mode != "fp32" else block_k
-            if mode == "fp32" and in_program is not True and stages > 1 and block_m * block_n > 64 * 64:
-                stages = 2  # two 128-wide chunks per pipeline stage: three stages overflow shared memory
-            cfg = splitk_config(
-                block_m, block_n, bk, kps, mode, warps, num_stages=stages,
-                splits_in_program=in_program is True, fixed_point=fixed, fixed_ticket=in_program == "ticket",
-            )  # fmt: skip
-            out = run_config(cfg, x, w, torch.full((300, shape.n), float("nan"), device="cuda"), dot)
-            assert torch.equal(out, ref), (kps, cfg.describe())
-    assert all(int(b.abs().max()) == 0 for b in _FIXED_WORDS.values())
-    small = heuristic_config(1, shape.k, shape.n, mode, True, 132)
-    large = heuristic_config(4096, shape.k, shape.n, mode, True, 132)
-    assert large.params.get("splits_in_program") and not small.params.get("splits_in_program")
-    outs = [run_config(c, x, w, torch.empty(300, shape.n, device="cuda"), dot) for c in (small, large)]
+    for kps in (512, 1024):
+        ref = launch_into(
+            choice.splitk(16, 16, block_k, kps, fp32),
+            x,
+            w,
+            torch.full((300, shape.n), float("nan"), device="cuda"),
+        )
+        assert _rel(ref, x, w) <= (1e-6 if fp32 else 1e-5)
+        for block_m, block_n, warps, stages in (
+            (64, 32, 4, 3),
+            (64, 128, 4, 3),
+            (128, 64, 4, 3),
+            (128, 128, 8, 3),
+        ):
+            cfg = choice.splitk(
+                block_m, block_n, block_k, kps, fp32, warps, num_stages=stages, splits_in_program=True
+            )
+            out = launch_into(cfg, x, w, torch.full((300, shape.n), float("nan"), device="cuda"))
+            assert torch.equal(out, ref), (kps, describe(cfg))
+    h200 = choice.Device("NVIDIA H200", 132, 90)
+    small, large = (
+        choice.heuristic(choice.Problem(m, shape.k, shape.n, RouterPrecision(mode), True, device=h200))
+        for m in (1, 4096)
+    )
+    assert large.splits_in_program and not small.splits_in_program
+    outs = [launch_into(c, x, w, torch.empty(300, shape.n, device="cuda")) for c in (small, large)]
     assert torch.equal(*outs)
 
 
@@ -563,8 +535,8 @@ def test_selfcheck_probes_every_batch_invariant_config_on_this_gpu(mode):
         w = (torch.randn(shape.n, shape.k, device="cuda") / shape.k**0.5).to(torch.bfloat16)
         sizes = probe_sizes(w, prec)
         row = torch.empty(1, shape.k, device="cuda", dtype=torch.bfloat16)
-        used = {config_for(row.expand(m, -1), w, prec, True) for m in (*M_LIST, 3000, 12000)}
-        probed = {config_for(row.expand(m, -1), w, prec, True) for m in sizes}
+        used = {_pick(row.expand(m, -1), w, mode, True) for m in (*M_LIST, 3000, 12000)}
+        probed = {_pick(row.expand(m, -1), w, mode, True) for m in sizes}
         assert used <= probed, (shape.name, sizes)
         check_batch_invariance(lambda x, w: router_gemm(x, w, mode, batch_invariant=True), w, sizes=sizes)
 
@@ -574,7 +546,7 @@ def test_a_table_entry_too_big_for_this_gpu_is_shrunk_to_the_same_sums(monkeypat
     """A config that needs more shared memory than the H200 has (as an H200 table would on a
     GPU with less): the op shrinks it (stages, then tiles) instead of failing, and the logits are
     bitwise those of a config that fits with the same K structure."""
-    import csrc_triton.configs as c
+    import csrc_triton.tables as t
     import vllm_router_ext.ops.dispatch as d
 
     shape = SHAPES[0]
@@ -582,13 +554,13 @@ def test_a_table_entry_too_big_for_this_gpu_is_shrunk_to_the_same_sums(monkeypat
     big["num_stages"] = 4  # fp32 mode: two 128-wide chunks per stage, 4 x 128 KB of shared memory
     key = "fp32/batch_invariant" if batch_invariant else "fp32"
     table = {"shapes": {f"{shape.k}x{shape.n}": {key: [{"max_m": None, "kernel": "splitk", **big}]}}}
-    monkeypatch.setattr(c, "load_table", lambda name: table)
+    monkeypatch.setattr(t, "load_table", lambda name: table)
     monkeypatch.setattr(d, "_FITTED", {})
     x, w = _xw(300, shape)
     out = router_gemm(x, w, RouterPrecision.FP32, batch_invariant=batch_invariant)
     (fitted,) = d._FITTED.values()
-    assert fitted.params["block_k"] == 128 and fitted.params["k_per_split"] == 512
-    fits = KernelConfig("splitk", dict(big, block_m=64, block_n=64, num_stages=1))
-    ref = run_config(fits, x, w, torch.full_like(out, float("nan")), dot_mode_for(x.dtype, w.dtype))
+    assert fitted.block_k == 128 and fitted.k_per_split == 512
+    fits = SplitKLaunch(**dict(big, block_m=64, block_n=64, num_stages=1))
+    ref = launch_into(fits, x, w, torch.full_like(out, float("nan")))
     assert torch.equal(out, ref)
     assert _rel(out, x, w) <= 1e-6

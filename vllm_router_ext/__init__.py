@@ -4,12 +4,9 @@ Importing this package does no vLLM, GPU or logging work; vLLM calls :func:`regi
 ``vllm.general_plugins`` entry point in every process it starts.
 """
 
-__version__ = "0.1.0"
+from vllm_router_ext._version import __version__
 
-#: The vLLM releases this plugin supports: (major, minor) from, up to but not including. Their
-#: GateLinear, PluggableLayer and DeepSeek-V2 model file are what the plugin replaces and wraps.
-SUPPORTED_VLLM: tuple[tuple[int, int], tuple[int, int]] = ((0, 32), (0, 34))
-SUPPORTED_VLLM_TEXT = "0.32.x and 0.33.x"
+__all__ = ["__version__", "register"]
 
 
 def register() -> None:

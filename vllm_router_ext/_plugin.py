@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import threading
 
-from vllm_router_ext import SUPPORTED_VLLM, SUPPORTED_VLLM_TEXT
-
+#: The vLLM releases this plugin supports: (major, minor) from, up to but not including. Their
+#: GateLinear, PluggableLayer and DeepSeek-V2 model file are what the plugin replaces and wraps.
+SUPPORTED_VLLM: tuple[tuple[int, int], tuple[int, int]] = ((0, 32), (0, 34))
+SUPPORTED_VLLM_TEXT = "0.32.x and 0.33.x"
 _LOCK = threading.Lock()
 _DONE = False
 

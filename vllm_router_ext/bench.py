@@ -61,7 +61,7 @@ DEFAULT_METHODS = list(METHODS)
 def _heuristic(mode: str, batch_invariant: bool = False):
     """Our op without a tuned table (what a GPU without one runs): the table is bypassed while
     the graph is captured, so the replays run the heuristic's kernels."""
-    from csrc_triton.configs import table_override
+    from csrc_triton.tables import table_override
 
     def call(x, w, *_):
         with table_override("none"):

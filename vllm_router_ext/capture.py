@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 import shutil
@@ -45,6 +46,9 @@ from typing import Any
 import torch
 
 from csrc_triton import environment
+
+# Under "vllm." so that, inside vLLM, its handlers and format apply.
+logger = logging.getLogger(f"vllm.{__name__}")
 
 DIR_KEY = "router_capture_dir"
 TOKENS_KEY = "router_capture_tokens"
@@ -264,8 +268,6 @@ class GateCapture:
         _atomic_json(self.path.with_suffix(".json"), status)
 
     def _finish(self, ended: str) -> None:
-        from vllm_router_ext.layers.gate import logger
-
         self.done = True
         try:
             os.close(self._fd)
@@ -339,8 +341,6 @@ def trim_capture(path: Path, ended: str | None = None) -> str:
 def trim_unfinished(directory: Path, first_run: int) -> None:
     """Trim, log and mark ended every capture of run ``first_run`` or later in ``directory`` that
     its worker did not finish (a stop signal ends workers at once); run where the engine started."""
-    from vllm_router_ext.layers.gate import logger
-
     for meta_path in sorted(directory.glob("router-capture-*-dp*.json")):
         m = FILE_RE.match(meta_path.name)
         if m is None or int(m.group(2)) < first_run:

@@ -64,7 +64,7 @@ class RouterPrecisionMixin:
     """Mixed in front of an in-tree DeepSeek-family ``*ForCausalLM``."""
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        from csrc_triton.configs import table_choice
+        from csrc_triton.tables import table_choice
         from vllm_router_ext.layers.gate import router_settings_scope
 
         settings = resolve_router_settings(vllm_config)
@@ -145,7 +145,7 @@ def _attach_capture(model, vllm_config, settings: RouterSettings, capture) -> No
     import vllm
     from vllm.distributed import get_tensor_model_parallel_rank
 
-    import vllm_router_ext
+    from vllm_router_ext._version import __version__
     from vllm_router_ext.capture import (
         GateCapture,
         GateShape,
@@ -170,7 +170,7 @@ def _attach_capture(model, vllm_config, settings: RouterSettings, capture) -> No
         "precision": settings.precision.value,
         "batch_invariant": settings.batch_invariant,
         "vllm": vllm.__version__,
-        "vllm_router_ext": vllm_router_ext.__version__,
+        "vllm_router_ext": __version__,
         "run": run,
         "data_parallel_rank": dp_rank,
         "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size,

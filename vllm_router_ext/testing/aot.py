@@ -1,11 +1,12 @@
 """Compile every Triton kernel the CUDA dispatch would launch, for a GPU architecture, without a GPU.
+It ships as a user's check of a Triton upgrade or a new GPU's compile (docs/kernels.md).
 
     python -m vllm_router_ext.testing.aot [--arch 90] [--shapes DeepSeek-V3,...]
 
 The device tests run on an H200 with one Triton version; vLLM's CUDA build may bring another
 (vLLM 0.32: torch 2.13 and Triton 3.9, the versions of the CPU build here). CPU CI runs the
-kernels only under ``TRITON_INTERPRET=1``, which never compiles them. This tool takes the configs
-the dispatch would run (every bucket of the tuned table for the shape, and the heuristic's for
+kernels only under ``TRITON_INTERPRET=1``, which never compiles them. This tool takes the launches
+the choice would make (every bucket of the tuned table for the shape, and the heuristic's for
 other GPUs), launches them through the real launchers on CPU tensors with the launch intercepted,
 and compiles each captured launch with Triton's own argument specialisation for ``sm_<arch>``:
 a kernel that no longer compiles with the installed Triton, or that starts spilling registers,
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from csrc_triton.launches import KernelLaunch
 from vllm_router_ext.benchmarking import SHAPE_BY_NAME, SHAPES, RouterShape
 from vllm_router_ext.precision import RouterPrecision
 
@@ -116,56 +118,57 @@ def _arg_key(arg) -> object:
     return arg
 
 
-def configs_to_compile(
+def launches_to_compile(
     shape: RouterShape, device_name: str, sm_count: int, arch: int
-) -> list[tuple[str, RouterPrecision, torch.dtype, int, object]]:
-    """(label, mode, weight dtype, M, config) of every distinct Triton config the dispatch selects
-    for this shape on this GPU: each case of :data:`CASES`, batch invariance off and on (not for
-    ``bf16``, which has no batch-invariant form), at every M of :data:`M_POINTS`."""
-    from csrc_triton.configs import select_config
+) -> list[tuple[str, RouterPrecision, torch.dtype, int, KernelLaunch]]:
+    """(label, mode, weight dtype, M, launch) of every distinct Triton launch the choice makes for this
+    shape on this GPU: each case of :data:`CASES`, batch invariance off and on (not for ``bf16``,
+    which has no batch-invariant form), at every M of :data:`M_POINTS`."""
+    from vllm_router_ext.ops.choice import Device, Problem, choose
 
+    device = Device(device_name, sm_count, arch)
     seen: dict = {}
     for mode, w_dtype in CASES:
         for bi in (False, True) if mode is not RouterPrecision.BF16 else (False,):
             for m in M_POINTS:
-                cfg = select_config(
-                    m, shape.k, shape.n, mode.value, bi, device_name, sm_count, capability=arch,
-                    fp32_weight=w_dtype == torch.float32,
-                )  # fmt: skip
-                if cfg.kernel != "cublas" and (mode, w_dtype, cfg) not in seen:
+                launch = choose(Problem(m, shape.k, shape.n, mode, bi, torch.bfloat16, w_dtype, device))
+                if launch.kernel != "cublas" and (mode, w_dtype, launch) not in seen:
                     w_name = "" if w_dtype is torch.bfloat16 else ", fp32 weight"
                     label = f"{shape.name} {mode.value}{w_name}{' batch-invariant' if bi else ''} M={m}"
-                    seen[(mode, w_dtype, cfg)] = (label, m)
-    return [(label, mode, w, m, cfg) for (mode, w, cfg), (label, m) in seen.items()]
+                    seen[(mode, w_dtype, launch)] = (label, m)
+    return [(label, mode, w, m, launch) for (mode, w, launch), (label, m) in seen.items()]
 
 
 def compile_configs(
     shapes: list[RouterShape], device_name: str, sm_count: int, arch: int, progress: bool = False
 ) -> list[Compiled]:
-    """Compile every launch of every config (:func:`configs_to_compile`) for ``sm_<arch>``."""
+    """Compile every kernel of every launch (:func:`launches_to_compile`) for ``sm_<arch>``."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter never compiles the kernels")
     from csrc_triton import pdl
-    from vllm_router_ext.ops.dispatch import dot_mode_for, run_config
+    from csrc_triton.launches import describe
+    from vllm_router_ext.ops.dispatch import launch_exactly
 
     results: list[Compiled] = []
     done: dict = {}  # (kernel, specialisation) -> Compiled: the same launch compiles once
     for shape in shapes:
-        for label, mode, w_dtype, m, cfg in configs_to_compile(shape, device_name, sm_count, arch):
+        for label, mode, w_dtype, m, launch in launches_to_compile(shape, device_name, sm_count, arch):
             x = torch.zeros(m, shape.k, dtype=torch.bfloat16)
             w = torch.zeros(shape.n, shape.k, dtype=w_dtype)
             out_dtype = torch.bfloat16 if mode is RouterPrecision.BF16 else torch.float32
             out = torch.empty(m, shape.n, dtype=out_dtype)
             # as launched on a GPU of that arch: two-launch sums with PDL from sm_90
             with _captured_launches() as launches, pdl.forced(arch >= 90):
-                run_config(cfg, x, w, out, dot_mode_for(x.dtype, w.dtype), capability=arch)
+                launch_exactly(launch, x, w, out)
             for fn, args, kwargs in launches:
                 types = tuple(_arg_key(a) for a in args)
                 key = (fn.__name__, repr(sorted(kwargs.items())), types)
                 if key not in done:
                     kernel = _compile(fn, args, kwargs, arch)
                     regs, spill = _resources(kernel)
-                    done[key] = Compiled(f"{label} {cfg.describe()}", cfg.source, fn.__name__, regs, spill)
+                    done[key] = Compiled(
+                        f"{label} {describe(launch)}", launch.source, fn.__name__, regs, spill
+                    )
                     if progress:
                         c = done[key]
                         print(f"{c.what}: {c.kernel} {c.registers} registers, {c.spill_bytes} B spilled")

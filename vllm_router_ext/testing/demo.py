@@ -1,6 +1,6 @@
 """The main job on one CPU machine: build a tiny DeepSeek-V3, serve it with
 ``vllm serve --router-precision bf16-fp32out`` on 127.0.0.1, send a completion, print it and the
-router-precision log line, stop the server.
+router-precision log line, stop the server. It ships: it is the README's first command.
 
     python -m vllm_router_ext.testing.demo [--precision bf16-fp32out] [--workdir DIR]
 """

@@ -1,5 +1,5 @@
 """Functions for ``vllm.LLM.apply_model``: they run inside vLLM's worker processes, so they live
-in an importable module (workers unpickle them by reference)."""
+in an importable module (workers unpickle them by reference): that is why it ships."""
 
 from __future__ import annotations
 

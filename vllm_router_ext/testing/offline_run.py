@@ -1,4 +1,6 @@
-"""Run one offline ``vllm.LLM`` scenario and save what the gates did, for the tests.
+"""Run one offline ``vllm.LLM`` scenario and save what the gates did, for the tests. It ships
+because the tests run it as ``python -m`` in a fresh interpreter, whose vLLM workers import
+:mod:`gate_records` by module path.
 
     python -m vllm_router_ext.testing.offline_run MODEL_DIR OUT.pt [--additional-config JSON]
         [--tp N] [--hf-overrides JSON] [--max-tokens N] [--speculative-config JSON]

@@ -1,4 +1,5 @@
-"""Start `vllm serve` on 127.0.0.1, query it, stop it. Used by the demo and the tests."""
+"""Start `vllm serve` on 127.0.0.1, query it, stop it. Used by the demo (why it ships), the tests
+and the end-to-end benchmark."""
 
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ count); ``--fp8`` writes DeepSeek-V3's FP8 block-quantized layout.
 
     python -m vllm_router_ext.testing.tiny_checkpoint OUT_DIR [--model kimi-k2] [--fp8]
         [--gate-dtype float32] [--seed 0]
+
+It ships: the demo serves one, and the GPU end-to-end suite builds its checkpoints with it.
 """
 
 from __future__ import annotations

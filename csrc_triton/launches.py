@@ -1,0 +1,163 @@
+"""What one launch of a router GEMM kernel takes: one frozen type per kernel, with its own fields.
+
+The decision (``vllm_router_ext.ops.choice``) returns one of these; the kernel's launcher reads it.
+Tuned tables store them as JSON buckets (:func:`from_bucket`, :func:`to_bucket`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class GemvLaunch:
+    """The FMA GEMV (``router_gemm_gemv``): BLOCK_M tokens x BLOCK_N experts per program, all of K.
+    ``maxnreg`` (0: ptxas decides) and ``copy_stages`` (0: unrolled chunks) as in the launcher."""
+
+    kernel: ClassVar[str] = "gemv"
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    maxnreg: int = 0
+    copy_stages: int = 0
+    source: str = "heuristic"
+
+
+@dataclass(frozen=True)
+class SplitKLaunch:
+    """The split-K kernel (``router_gemm_splitk``). ``promote_chunks`` 0: one MMA chain per split
+    (the 16-bit modes); the fp32 mode promotes every that many BLOCK_K chunks. The split sum: a
+    ticket (one launch), or with ``ticket=False`` a second launch (``pdl``: programmatic dependent
+    launch), or ``splits_in_program`` (one program per tile runs every split)."""
+
+    kernel: ClassVar[str] = "splitk"
+    block_m: int
+    block_n: int
+    block_k: int
+    k_per_split: int
+    promote_chunks: int = 0
+    num_warps: int = 4
+    num_stages: int = 1
+    splits_in_program: bool = False
+    ticket: bool = True
+    pdl: bool = False
+    flat_chain: bool = False
+    source: str = "heuristic"
+
+
+@dataclass(frozen=True)
+class TiledLaunch:
+    """The tiled kernel (``router_gemm_tiled``): one program per output tile, grouped rows."""
+
+    kernel: ClassVar[str] = "tiled"
+    block_m: int
+    block_n: int
+    block_k: int
+    promote_chunks: int = 0
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    source: str = "heuristic"
+
+
+#: The ``wgmma_ws`` kernel's tile rows: two consumer warpgroups of one m64 wgmma each.
+WGMMA_WS_BLOCK_M = 128
+
+
+@dataclass(frozen=True)
+class WgmmaWsLaunch:
+    """The warp-specialised wgmma kernel (``router_gemm_wgmma_ws``, Hopper, fp32 mode): 128-row
+    tiles of ``block_n`` + ``block_n_tail`` columns, K split in ``k_per_split`` (0: none), the
+    split sum plain or with PDL (``PDL_EARLY`` / ``PDL_LATE``)."""
+
+    kernel: ClassVar[str] = "wgmma_ws"
+    block_n: int
+    block_k: int
+    k_per_split: int
+    promote_chunks: int
+    num_stages: int
+    block_n_tail: int = 0
+    pdl: int = 0
+    source: str = "heuristic"
+
+
+@dataclass(frozen=True)
+class CublasLaunch:
+    """``torch.mm`` (cuBLAS): the 16-bit modes where the table measured it faster."""
+
+    kernel: ClassVar[str] = "cublas"
+    source: str = "heuristic"
+
+
+@dataclass(frozen=True)
+class Fp32WeightTermsLaunch:
+    """An fp32 gate weight's GEMM as one launch on its three bf16 terms ``[3N, K]`` (``terms``,
+    the fp32 mode's launch for that problem), then hi + mid + lo added per logit."""
+
+    kernel: ClassVar[str] = "fp32_weight_terms"
+    terms: Launch
+    source: str = "heuristic"
+
+
+Launch = GemvLaunch | SplitKLaunch | TiledLaunch | WgmmaWsLaunch | CublasLaunch | Fp32WeightTermsLaunch
+KernelLaunch = GemvLaunch | SplitKLaunch | TiledLaunch | WgmmaWsLaunch | CublasLaunch
+
+#: The kernels a table bucket may name, by name.
+BY_KERNEL: dict[str, type] = {
+    t.kernel: t for t in (GemvLaunch, SplitKLaunch, TiledLaunch, WgmmaWsLaunch, CublasLaunch)
+}
+#: Bucket keys that are notes, not launch fields.
+NOTE_KEYS = ("max_m", "us", "worst_ratio", "fastest_us")
+
+
+def fields(launch: Any) -> dict[str, Any]:
+    """The launch fields of ``launch`` (its ``source`` left out)."""
+    return {f.name: getattr(launch, f.name) for f in dataclasses.fields(launch) if f.name != "source"}
+
+
+def from_bucket(bucket: dict[str, Any], source: str) -> KernelLaunch:
+    """A table bucket (``{"max_m": ..., "kernel": ..., fields}``) as its launch. Raises ValueError
+    naming an unknown kernel or field and the allowed ones (a hand-edited or older table)."""
+    kind = BY_KERNEL.get(bucket.get("kernel"))
+    if kind is None:
+        raise ValueError(f"table bucket kernel {bucket.get('kernel')!r}; allowed: {', '.join(BY_KERNEL)}")
+    allowed = {f.name for f in dataclasses.fields(kind)} - {"source"}
+    params = {k: v for k, v in bucket.items() if k not in NOTE_KEYS and k != "kernel"}
+    if unknown := sorted(set(params) - allowed):
+        raise ValueError(
+            f"table bucket {bucket}: {kind.kernel} has no field {', '.join(unknown)}; "
+            f"allowed: {', '.join(sorted(allowed))}"
+        )
+    return kind(**params, source=source)
+
+
+def to_bucket(launch: KernelLaunch) -> dict[str, Any]:
+    """``launch`` as a table bucket's fields: its kernel and the fields that differ from their
+    defaults (what ``benchmarks/tune.py`` writes)."""
+    out: dict[str, Any] = {"kernel": launch.kernel}
+    for f in dataclasses.fields(launch):
+        value = getattr(launch, f.name)
+        if f.name != "source" and (f.default is dataclasses.MISSING or value != f.default):
+            out[f.name] = value
+    return out
+
+
+def describe(launch: Launch) -> str:
+    """A launch for logs: ``cuBLAS`` or ``triton <kernel>(field=value,...)``, defaults left out."""
+    if isinstance(launch, CublasLaunch):
+        return "cuBLAS"
+    if isinstance(launch, Fp32WeightTermsLaunch):
+        return f"fp32 weight as three bf16 terms: {describe(launch.terms)}"
+    parts = []
+    for name, value in to_bucket(launch).items():
+        if name == "kernel":
+            continue
+        if value is True:
+            parts.append(name)
+        elif name == "ticket":
+            parts.append("two_launch")
+        else:
+            parts.append(f"{name}={value}")
+    return f"triton {launch.kernel}({','.join(parts)})"

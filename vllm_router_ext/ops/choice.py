@@ -1,0 +1,524 @@
+"""The one place that decides what runs: a typed :class:`Problem` in, a typed launch out.
+
+:func:`choose` is what the CUDA dispatch launches, the start-up line describes and the tuner times:
+the GPU's tuned table where it has the shape and mode (``csrc_triton/tables.py``), else the
+heuristic here; then what this GPU and these operands allow (a ``wgmma_ws`` launch that cannot run
+becomes the fastest Triton one, a genuinely fp32 weight's tiles are capped). :func:`shrink` gives
+the same sums in less on-chip memory when a GPU cannot hold a launch.
+
+Invariant of every choice: the order of each logit's sum is fixed by the mode's K structure, so a
+launch's tiles, pipelining or kernel may change with M and the GPU, its numbers per mode may not;
+with batch invariance the K structure is one for every M. Measurements behind the thresholds:
+``docs/kernels.md`` and ``benchmarks/NOTES.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from csrc_triton import cdiv
+from csrc_triton import tables as T
+from csrc_triton.launches import (
+    WGMMA_WS_BLOCK_M,
+    CublasLaunch,
+    Fp32WeightTermsLaunch,
+    GemvLaunch,
+    KernelLaunch,
+    Launch,
+    SplitKLaunch,
+    TiledLaunch,
+    WgmmaWsLaunch,
+    describe,
+    from_bucket,
+)
+from vllm_router_ext.precision import RouterPrecision
+
+# Under "vllm." so that, inside vLLM, its handlers and format apply (no vLLM import here).
+logger = logging.getLogger(f"vllm.{__name__}")
+
+FP32 = RouterPrecision.FP32
+
+
+@dataclass(frozen=True)
+class Device:
+    """The facts of a GPU the choice depends on. ``gluon`` None: ask this Triton."""
+
+    name: str
+    sm_count: int
+    capability: int  # compute capability x10
+    cublas: bool = True
+    gluon: bool | None = None
+
+    @property
+    def has_gluon(self) -> bool:
+        if self.gluon is not None:
+            return self.gluon
+        from csrc_triton.capability import gluon_available
+
+        return gluon_available()
+
+
+#: Off-GPU (the interpreter): compiled as for an H200-sized Hopper, without cuBLAS.
+CPU_INTERPRETER = Device("cpu-interpreter", 132, 90, cublas=False)
+
+
+@functools.lru_cache(maxsize=8)
+def cuda_device(index: int) -> Device:
+    props = torch.cuda.get_device_properties(index)
+    return Device(props.name, props.multi_processor_count, props.major * 10 + props.minor)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One router GEMM ``[m, k] x [n, k]^T`` to run. ``weight_terms``: an fp32 weight's three bf16
+    terms are at hand; ``layout_problem``: why TMA cannot read the operands (None: it can)."""
+
+    m: int
+    k: int
+    n: int
+    precision: RouterPrecision
+    batch_invariant: bool = False
+    x_dtype: torch.dtype = torch.bfloat16
+    weight_dtype: torch.dtype = torch.bfloat16
+    device: Device = CPU_INTERPRETER
+    weight_terms: bool = False
+    layout_problem: str | None = None
+    interpreting: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        precision: RouterPrecision,
+        batch_invariant: bool = False,
+        weight_terms: bool = False,
+    ) -> Problem:
+        """The problem these tensors pose on their device."""
+        from csrc_triton.environment import interpreting
+
+        device = cuda_device(x.device.index or 0) if x.is_cuda else CPU_INTERPRETER
+        return cls(
+            x.shape[0],
+            x.shape[1],
+            weight.shape[0],
+            precision,
+            batch_invariant,
+            x.dtype,
+            weight.dtype,
+            device,
+            weight_terms,
+            _tma_problem(x, weight),
+            interpreting(),
+        )
+
+    @property
+    def fp32(self) -> bool:
+        return self.precision is FP32
+
+    @property
+    def fp32_weight(self) -> bool:
+        return self.weight_dtype == torch.float32
+
+    @property
+    def logits_dtype(self) -> torch.dtype:
+        return self.x_dtype if self.precision is RouterPrecision.BF16 else torch.float32
+
+    @property
+    def cublas(self) -> bool:
+        """cuBLAS may serve: a GPU, a 16-bit mode (it has no fp32-accurate GEMM), one operand dtype."""
+        return self.device.cublas and not self.fp32 and self.x_dtype == self.weight_dtype
+
+    @property
+    def hopper(self) -> bool:
+        return self.device.capability // 10 == 9
+
+
+def _tma_problem(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    for name, t in (("x", x), ("weight", weight)):
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return f"{name} layout (stride {tuple(t.stride())}, not 16-byte aligned rows)"
+    return None
+
+
+def choose(p: Problem) -> Launch:
+    """What runs for ``p``."""
+    if (
+        p.weight_terms
+        and p.fp32
+        and not p.batch_invariant  # one kernel for every M there: no switch by M
+        and p.x_dtype == torch.bfloat16
+        and p.fp32_weight
+        and p.m >= FP32_WEIGHT_TERMS_FROM_M
+        and p.n >= FP32_WEIGHT_TERMS_MIN_N
+    ):
+        terms = replace(p, n=3 * p.n, weight_dtype=torch.bfloat16, weight_terms=False)
+        return Fp32WeightTermsLaunch(choose(terms))
+    return resolve(selected(p), p)
+
+
+def selected(p: Problem, allow_wgmma_ws: bool = True) -> KernelLaunch:
+    """The table's launch for ``p`` if it has the shape and mode, else the heuristic's, before
+    :func:`resolve`. ``allow_wgmma_ws=False``: the table's fastest Triton launch where it chose
+    ``wgmma_ws`` (its ``fp32/triton`` buckets)."""
+    dev = p.device
+    bucket = T.bucket_for(T.table_buckets(dev.name, p.k, p.n, table_key(p.precision, p.batch_invariant)), p.m)
+    if not allow_wgmma_ws and bucket is not None and bucket["kernel"] == "wgmma_ws":
+        bucket = T.bucket_for(
+            T.table_buckets(dev.name, p.k, p.n, table_key(p.precision, False, "triton")), p.m
+        )
+    if bucket is not None and not (bucket["kernel"] == "cublas" and not p.cublas):
+        return from_bucket(bucket, f"tuned {T.table_label(dev.name)}")
+    return heuristic(p, allow_wgmma_ws)
+
+
+def table_key(precision: RouterPrecision, batch_invariant: bool, variant: str = "") -> str:
+    """A mode's key in a tuned table (the two 16-bit modes share their launches)."""
+    key = ("fp32" if precision is FP32 else "bf16-fp32out") + ("/batch_invariant" if batch_invariant else "")
+    return key + (f"/{variant}" if variant else "")
+
+
+#: Reasons already logged for running a ``wgmma_ws`` launch on another kernel (once each).
+_FALLBACKS_LOGGED: set[str] = set()
+
+
+def resolve(launch: KernelLaunch, p: Problem) -> KernelLaunch:
+    """The launch that runs for a chosen (or a tuner's, a test's) ``launch``: a ``wgmma_ws``
+    launch that cannot run here becomes :func:`wgmma_ws_fallback`'s; a genuinely fp32 weight's
+    tiles are capped (held in fp32 and as three bf16 terms); split-K's promotion defaults to one
+    chain per split. None of this changes a sum's order per mode, so batch invariance holds."""
+    if isinstance(launch, WgmmaWsLaunch) and (problem := wgmma_ws_problem(p)) is not None:
+        fallback = wgmma_ws_fallback(p)
+        if problem not in _FALLBACKS_LOGGED:
+            _FALLBACKS_LOGGED.add(problem)
+            logger.info(
+                "vllm-router-ext: %s cannot run (%s); running %s",
+                describe(launch),
+                problem,
+                describe(fallback),
+            )
+        launch = fallback
+    if isinstance(launch, SplitKLaunch):
+        block_k, bm, bn, stages = launch.block_k, launch.block_m, launch.block_n, launch.num_stages
+        if p.fp32_weight:
+            block_k = min(block_k, fp32_weight_max_block_k(p.device.capability))
+            if stages > 1:
+                bm, bn, stages = min(bm, 64), min(bn, 64), 2
+        promote = launch.promote_chunks or launch.k_per_split // block_k
+        return replace(
+            launch, block_m=bm, block_n=bn, block_k=block_k, num_stages=stages, promote_chunks=promote
+        )
+    if isinstance(launch, TiledLaunch) and p.fp32_weight:
+        return replace(
+            launch,
+            promote_chunks=4 if launch.promote_chunks else 0,  # chains of 128 in 32-wide chunks
+            block_m=min(launch.block_m, 64),
+            block_n=min(launch.block_n, 64),
+            block_k=32,
+            num_stages=2,
+        )
+    return launch
+
+
+def wgmma_ws_problem(p: Problem) -> str | None:
+    """Why the ``wgmma_ws`` kernel cannot run ``p`` (None: it can): it needs Hopper, Gluon, 16-bit
+    operands of one dtype that TMA can read, fp32 logits, and a GPU (Gluon has no interpreter)."""
+    if p.interpreting:
+        return "TRITON_INTERPRET=1 (Gluon kernels have no interpreter)"
+    if not p.hopper:
+        return f"compute capability {p.device.capability / 10:.1f} (needs 9.x)"
+    if not p.device.has_gluon:
+        return "this Triton has no Gluon warp specialisation"
+    if p.x_dtype != p.weight_dtype or p.x_dtype not in (torch.bfloat16, torch.float16):
+        return f"dtypes {p.x_dtype} x {p.weight_dtype} (needs bf16 x bf16 or fp16 x fp16)"
+    if p.layout_problem is not None:
+        return p.layout_problem
+    if p.logits_dtype != torch.float32:
+        return f"{p.logits_dtype} logits (needs float32)"
+    return None
+
+
+def wgmma_ws_fallback(p: Problem) -> KernelLaunch:
+    """The Triton launch that runs where a ``wgmma_ws`` one cannot: the table's fastest Triton
+    launch for this M (``fp32/triton``), else the heuristic's (also when a hand-edited
+    ``fp32/triton`` names ``wgmma_ws`` again: never a loop)."""
+    fp32 = replace(p, precision=FP32, batch_invariant=False)
+    fallback = selected(fp32, allow_wgmma_ws=False)
+    if isinstance(fallback, WgmmaWsLaunch):
+        fallback = heuristic(fp32, allow_wgmma_ws=False)
+    return resolve(fallback, fp32)
+
+
+def shrink(launch: KernelLaunch, p: Problem) -> KernelLaunch | None:
+    """The same sums in a smaller on-chip footprint, or None: one software-pipeline stage fewer,
+    else a ``wgmma_ws`` tile's tail dropped, else the larger of BLOCK_M / BLOCK_N halved (to 16);
+    a ``wgmma_ws`` launch that cannot shrink further becomes the Triton fallback. BLOCK_K, the K
+    split, the promotion and the split sum's order stay."""
+    shrunk = ", shrunk to fit this GPU"
+    source = launch.source if launch.source.endswith(shrunk) else launch.source + shrunk
+    stages = getattr(launch, "num_stages", 1)
+    if stages > 1:
+        return replace(launch, num_stages=stages - 1, source=source)
+    if isinstance(launch, WgmmaWsLaunch):
+        if launch.block_n_tail:
+            return replace(launch, block_n_tail=0, source=source)
+        return wgmma_ws_fallback(p)
+    if (
+        isinstance(launch, (GemvLaunch, SplitKLaunch, TiledLaunch))
+        and max(launch.block_m, launch.block_n) > 16
+    ):
+        if launch.block_m >= launch.block_n:
+            return replace(launch, block_m=launch.block_m // 2, source=source)
+        return replace(launch, block_n=launch.block_n // 2, source=source)
+    return None
+
+
+# --- the heuristic: shapes and GPUs without a tuned table (the H200 table's winners, generalised)
+
+#: The fp32 mode's promotion: every 2 chunks of BLOCK_K (<= 128) the MMA chain is added into the
+#: fp32 accumulator, so no tensor-core chain is longer than 256 along K (docs/precision.md). Never
+#: one chunk per chain: Triton folds ``acc + dot(a, b, 0)`` into ``dot(a, b, acc)``.
+FP32_PROMOTE_CHUNKS = 2
+FP32_MAX_BLOCK_K = 128
+
+#: Batch invariance: above this M a tile's splits run in one program (same sums), except on
+#: Hopper+ while the partials (M x N x splits) stay below BI_SPLIT_PARTIALS_MAX and M within
+#: BI_SPLIT_TILES_TO, where pipelined split tiles measured faster.
+BI_SPLITS_IN_PROGRAM_FROM = 256
+BI_SPLIT_TILES_TO = 2048
+BI_SPLIT_PARTIALS_MAX = 6 << 20
+
+#: The ``wgmma_ws`` kernel (Hopper) serves the fp32 mode from this M: 128-row tiles, 64-wide
+#: chunks in chains of 4, as many TMA stages as fit, K split so the tiles fill the SMs once.
+WGMMA_WS_FROM_M = 1024
+WGMMA_WS_MAX_SPLITS = 8
+#: From this M, N a multiple of 192 above 256 (Kimi-K2's 384) takes 192-wide tiles (128 + 64).
+WGMMA_WS_192_FROM_M = 2048
+#: Shared memory one program may use on Hopper (227 KB), less what the kernel keeps beside its ring.
+WGMMA_WS_SMEM_BYTES = 227 * 1024 - 1024
+WGMMA_WS_MAX_STAGES = 6
+
+#: Hopper, not batch-invariant, from 65 tokens to MID_M_SPLIT_TO: pipelined 64 x 64 split tiles,
+#: K split as finely as keeps the programs within MID_M_PROGRAMS_PER_SM per SM.
+MID_M_SPLIT_TO = {"fp32": WGMMA_WS_FROM_M - 1, "16-bit": 512}
+MID_M_PROGRAMS_PER_SM = {"fp32": 1, "16-bit": 2}
+
+#: An fp32 gate weight's GEMM runs on its three bf16 terms (one fp32-mode GEMM on [3N, K]) from
+#: this M and N; below, the kernels split fp32 weight tiles in every program.
+FP32_WEIGHT_TERMS_FROM_M = 1024
+FP32_WEIGHT_TERMS_MIN_N = 128
+
+
+def fp32_promote_chunks(block_k: int) -> int:
+    """Chunks per promoted MMA chain in the fp32 mode (chains of 2 * BLOCK_K <= 256 along K)."""
+    if block_k > FP32_MAX_BLOCK_K:
+        raise ValueError(f"fp32 mode: block_k={block_k} makes chains longer than {2 * FP32_MAX_BLOCK_K}")
+    return FP32_PROMOTE_CHUNKS
+
+
+def fp32_weight_max_block_k(capability: int) -> int:
+    """BLOCK_K for a genuinely fp32 gate weight (each chunk held in fp32 and as three bf16 terms):
+    32 where wider chunks spill registers (before sm_90, and sm_100); no cap on Hopper."""
+    return 128 if 90 <= capability < 100 else 32
+
+
+def splitk(
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    k_per_split: int,
+    fp32: bool,
+    num_warps: int = 4,
+    num_stages: int = 1,
+    splits_in_program: bool = False,
+) -> SplitKLaunch:
+    """A split-K launch; the fp32 mode takes BLOCK_K <= 128 and promoted chains of two chunks."""
+    if fp32:
+        block_k = min(block_k, FP32_MAX_BLOCK_K)
+    return SplitKLaunch(
+        block_m,
+        block_n,
+        block_k,
+        k_per_split,
+        promote_chunks=fp32_promote_chunks(block_k) if fp32 else 0,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        splits_in_program=splits_in_program,
+    )
+
+
+def one_chain_split(launch: SplitKLaunch) -> bool:
+    """Every split is one MMA chain (no promotion, or a split one promoted chain long)."""
+    return launch.promote_chunks == 0 or launch.k_per_split == launch.block_k * launch.promote_chunks
+
+
+def wgmma_ws(
+    block_n: int, k_per_split: int, block_k: int = 64, num_stages: int = 0, block_n_tail: int = 0
+) -> WgmmaWsLaunch:
+    """A ``wgmma_ws`` launch: chains of 256 along K, as many TMA stages as fit (``num_stages`` 0)."""
+    return WgmmaWsLaunch(
+        block_n,
+        block_k,
+        k_per_split,
+        promote_chunks=2 * FP32_MAX_BLOCK_K // block_k,
+        num_stages=num_stages or wgmma_ws_stages(block_n, block_k, block_n_tail),
+        block_n_tail=block_n_tail,
+    )
+
+
+def wgmma_ws_stages(block_n: int, block_k: int = 64, block_n_tail: int = 0) -> int:
+    """TMA ring depth: as many stages (<= 6) of [128 + block_n + tail, block_k] 16-bit blocks as fit."""
+    stage_bytes = (WGMMA_WS_BLOCK_M + block_n + block_n_tail) * block_k * 2
+    return min(WGMMA_WS_MAX_STAGES, WGMMA_WS_SMEM_BYTES // stage_bytes)
+
+
+def wgmma_ws_tail(n: int, block_n: int = 128) -> int:
+    """The tail (0, 16 or 32 columns) whose tiles of block_n + tail pad N least (ties: the
+    narrower) where plain tiles would pad more than a quarter of N; else 0 (DeepSeek-V2's 160
+    experts: one 128 + 32 tile)."""
+    padding = lambda t: -(-n // (block_n + t)) * (block_n + t) - n  # noqa: E731
+    if n <= block_n or 4 * padding(0) <= n:
+        return 0
+    return min((0, 16, 32), key=lambda t: (padding(t), t))
+
+
+def wgmma_ws_tiles(m: int, n: int, block_n: int, block_n_tail: int = 0) -> int:
+    """Output tiles (programs per K split) of a ``wgmma_ws`` launch."""
+    return cdiv(m, WGMMA_WS_BLOCK_M) * cdiv(n, block_n + block_n_tail)
+
+
+def wgmma_ws_k_per_split(k: int, splits: int) -> int:
+    """K per split for ``splits`` parts of K, rounded up to a multiple of 256 (whole chains)."""
+    return (cdiv(k, splits) + 255) // 256 * 256
+
+
+def wgmma_ws_split(m: int, k: int, n: int, block_n: int, sm_count: int, block_n_tail: int = 0) -> int:
+    """K per split so the tiles fill the SMs once (<= 8 splits, multiples of 256); 0 = no split."""
+    tiles = wgmma_ws_tiles(m, n, block_n, block_n_tail)
+    splits = max(1, min(WGMMA_WS_MAX_SPLITS, sm_count // tiles, k // 512))
+    return 0 if splits == 1 else wgmma_ws_k_per_split(k, splits)
+
+
+def split_sum_variants(launch: KernelLaunch, k: int) -> list[KernelLaunch]:
+    """``launch`` with each way of launching its cross-program K-split sum (the same partials in
+    the same order): split-K's ticket, or a second launch with PDL; ``wgmma_ws``'s sum plain or
+    with PDL let go early or late. Empty without such a sum. The tuner times each per M."""
+    if isinstance(launch, SplitKLaunch):
+        if launch.splits_in_program or launch.k_per_split >= k:
+            return []
+        return [replace(launch, ticket=True, pdl=False), replace(launch, ticket=False, pdl=True)]
+    if isinstance(launch, WgmmaWsLaunch) and 0 < launch.k_per_split < k:
+        return [replace(launch, pdl=pdl) for pdl in (0, 1, 2)]
+    return []
+
+
+def heuristic(p: Problem, allow_wgmma_ws: bool = True) -> KernelLaunch:
+    """The launch for a shape or GPU the table lacks (docs/kernels.md, "The heuristic"). On
+    Hopper a split-K sum across programs is a second launch with PDL (``split_sum_variants``)."""
+    launch = _heuristic_kernel(p, allow_wgmma_ws)
+    if p.hopper and isinstance(launch, SplitKLaunch) and (forms := split_sum_variants(launch, p.k)):
+        return forms[-1]
+    return launch
+
+
+def _heuristic_kernel(p: Problem, allow_wgmma_ws: bool) -> KernelLaunch:
+    m, k, n, fp32, bi, cap = p.m, p.k, p.n, p.fp32, p.batch_invariant, p.device.capability
+    sms = p.device.sm_count
+    if fp32 and not bi and p.hopper and m >= WGMMA_WS_FROM_M and allow_wgmma_ws and p.device.has_gluon:
+        block_n = 128 if n > 64 else 64
+        tail = wgmma_ws_tail(n, block_n)
+        if tail == 0 and n > 256 and n % 192 == 0 and m >= WGMMA_WS_192_FROM_M:
+            tail = 64  # 192-wide tiles, the tail split between the two consumers
+        return wgmma_ws(block_n, wgmma_ws_split(m, k, n, block_n, sms, tail), block_n_tail=tail)
+    if not bi and m <= 4:
+        # 8 warps: the H200 table's pick at 1-4 tokens; with 4 and two tokens sm_89 spills at K=6144.
+        return GemvLaunch(min(2, 1 << (m - 1).bit_length()), 1, num_warps=8)
+    if not bi and p.hopper and not p.fp32_weight and (mid := _mid_m_split(p)) is not None:
+        return mid
+    if p.cublas and not bi and m > 64:
+        return CublasLaunch()
+    if bi or m <= 64:
+        return _small_or_invariant(p)
+    if m <= 512:
+        return splitk(64, 64, 64, 1024, fp32, 4, num_stages=3)
+    if m <= 2048:
+        return splitk(64, 64, 64, 2048, fp32, 4, num_stages=3)
+    wide = 64 if fp32 and cap < 90 else 128  # below sm_90 the promoted 128 x 128 tile spills
+    if m <= 8192:
+        return splitk(128, wide, 64, 3584, fp32, 8, num_stages=3)
+    return TiledLaunch(
+        128, wide if n >= 128 else 64, 64, promote_chunks=fp32_promote_chunks(64) if fp32 else 0
+    )
+
+
+def _small_or_invariant(p: Problem) -> SplitKLaunch:
+    """Up to 64 tokens, and batch invariance at every M: one K structure (K split so that N /
+    BLOCK_N x splits >= 2 x SMs, in multiples of 256); with batch invariance only tiles, pipelining
+    and where the splits are added vary with M."""
+    m, k, n, fp32, bi, cap = p.m, p.k, p.n, p.fp32, p.batch_invariant, p.device.capability
+    block_m = 64 if bi else 16
+    block_n = 32 if n >= 128 else 16
+    n_blocks = cdiv(n, block_n)
+    splits = max(1, min(k // 256, cdiv(2 * p.device.sm_count, n_blocks)))
+    k_per_split = max(256, k // splits // 256 * 256)
+    split_k = cdiv(k, k_per_split)
+    wide_programs = cdiv(m, 64) * cdiv(n, 64) * split_k  # 64 x 64 split tiles
+    mid_m = BI_SPLITS_IN_PROGRAM_FROM < m <= BI_SPLIT_TILES_TO
+    few_partials = mid_m and m * n * split_k < BI_SPLIT_PARTIALS_MAX
+    enough_programs = 64 < m <= BI_SPLITS_IN_PROGRAM_FROM and 2 * wide_programs >= 3 * p.device.sm_count
+    if bi and cap >= 90 and not p.fp32_weight and (few_partials or enough_programs):
+        # Hopper+: pipelined 64 x 64 split tiles, their partials added by a second launch.
+        return splitk(block_m, 64, 128, k_per_split, fp32, 4, num_stages=3)
+    if bi and m > BI_SPLITS_IN_PROGRAM_FROM:
+        # Tiles grow with M on Hopper+ (>= 227 KB of shared memory; older GPUs overflow theirs);
+        # an fp32 weight keeps 64 x 32 below 128 x 128 (its 64 x 64 tile spills on sm_90).
+        warps = 4
+        if cap >= 90 and m > 1024:
+            if m > 4096 and n > 64:
+                block_m, block_n, warps = 128, 128, 8
+            elif not p.fp32_weight:
+                block_n = 64
+        return splitk(block_m, block_n, 128, k_per_split, fp32, warps, num_stages=3, splits_in_program=True)
+    return splitk(block_m, block_n, 128, k_per_split, fp32)
+
+
+def _mid_m_split(p: Problem) -> SplitKLaunch | None:
+    """Hopper's pipelined split tiles from 65 tokens: the finest K split whose programs stay
+    within MID_M_PROGRAMS_PER_SM per SM; a split that is one MMA chain loops over its chunks
+    (``flat_chain``). None: no split fits or M is outside the range."""
+    m, k, n, fp32 = p.m, p.k, p.n, p.fp32
+    kind = "fp32" if fp32 else "16-bit"
+    if not 64 < m <= MID_M_SPLIT_TO[kind]:
+        return None
+    limit = MID_M_PROGRAMS_PER_SM[kind] * p.device.sm_count
+    tiles = cdiv(m, 64) * cdiv(n, 64)
+    for k_per_split in ((256,) if k < 4096 else ()) + ((512, 1024) if fp32 else (512,)):
+        if tiles * cdiv(k, k_per_split) <= limit:
+            launch = splitk(64, 64, 128, k_per_split, fp32, 4, num_stages=3)
+            return replace(launch, flat_chain=True) if one_chain_split(launch) else launch
+    return None
+
+
+# --- what the start-up line and the self-check read
+
+#: Batch-invariant launches are looked up for every M to here (the heuristic's largest threshold
+#: is 8192), or past the table's largest bucket end if that is higher.
+BUCKET_SCAN_TO = 16385
+
+
+def batch_invariant_buckets(p: Problem) -> list[tuple[int, KernelLaunch]]:
+    """``[(first M, launch)]`` of every batch-invariant bucket for ``p``'s gate on its GPU: every M
+    is looked up, because a tuned bucket may end at any M; above the scan nothing changes."""
+    p = replace(p, batch_invariant=True, weight_terms=False)
+    key = table_key(p.precision, True)
+    ends = [b["max_m"] for b in T.table_buckets(p.device.name, p.k, p.n, key) if b["max_m"]]
+    buckets: list[tuple[int, KernelLaunch]] = []
+    for m in range(1, max([BUCKET_SCAN_TO, *(e + 1 for e in ends)]) + 1):
+        launch = choose(replace(p, m=m))
+        if not buckets or buckets[-1][1] != launch:
+            buckets.append((m, launch))
+    return buckets
