@@ -209,7 +209,10 @@ def resolve(launch: KernelLaunch, p: Problem) -> KernelLaunch:
             if stages > 1:
                 bm, bn, stages = min(bm, 64), min(bn, 64), 2
         promote = launch.promote_chunks or launch.k_per_split // block_k
-        return replace(
+        now = (bm, bn, block_k, stages, promote)
+        if now == (launch.block_m, launch.block_n, launch.block_k, launch.num_stages, launch.promote_chunks):
+            return launch
+        return _with(
             launch, block_m=bm, block_n=bn, block_k=block_k, num_stages=stages, promote_chunks=promote
         )
     if isinstance(launch, TiledLaunch) and p.fp32_weight:
@@ -420,9 +423,19 @@ def heuristic(p: Problem, allow_wgmma_ws: bool = True) -> KernelLaunch:
     """The launch for a shape or GPU the table lacks (docs/kernels.md, "The heuristic"). On
     Hopper a split-K sum across programs is a second launch with PDL (``split_sum_variants``)."""
     launch = _heuristic_kernel(p, allow_wgmma_ws)
-    if p.hopper and isinstance(launch, SplitKLaunch) and (forms := split_sum_variants(launch, p.k)):
-        return forms[-1]
+    if (
+        p.hopper
+        and isinstance(launch, SplitKLaunch)
+        and not launch.splits_in_program
+        and launch.k_per_split < p.k
+    ):
+        return _with(launch, ticket=False, pdl=True)  # split_sum_variants' last form
     return launch
+
+
+def _with(launch, **changes):
+    """``dataclasses.replace`` without its per-call field walk: this runs on every eager op call."""
+    return type(launch)(**{**vars(launch), **changes})
 
 
 def _heuristic_kernel(p: Problem, allow_wgmma_ws: bool) -> KernelLaunch:
@@ -499,7 +512,7 @@ def _mid_m_split(p: Problem) -> SplitKLaunch | None:
     for k_per_split in ((256,) if k < 4096 else ()) + ((512, 1024) if fp32 else (512,)):
         if tiles * cdiv(k, k_per_split) <= limit:
             launch = splitk(64, 64, 128, k_per_split, fp32, 4, num_stages=3)
-            return replace(launch, flat_chain=True) if one_chain_split(launch) else launch
+            return _with(launch, flat_chain=True) if one_chain_split(launch) else launch
     return None
 
 
