@@ -109,7 +109,11 @@ BY_KERNEL: dict[str, type] = {
     t.kernel: t for t in (GemvLaunch, SplitKLaunch, TiledLaunch, WgmmaWsLaunch, CublasLaunch)
 }
 #: Bucket keys that are notes, not launch fields.
-NOTE_KEYS = ("max_m", "us", "worst_ratio", "fastest_us")
+NOTE_KEYS = frozenset(("max_m", "us", "worst_ratio", "fastest_us", "kernel"))
+#: Each kind's launch fields (read once: a table bucket becomes its launch on every dispatch).
+_FIELDS = {
+    kind: frozenset(f.name for f in dataclasses.fields(kind)) - {"source"} for kind in BY_KERNEL.values()
+}
 
 
 def fields(launch: Any) -> dict[str, Any]:
@@ -123,9 +127,9 @@ def from_bucket(bucket: dict[str, Any], source: str) -> KernelLaunch:
     kind = BY_KERNEL.get(bucket.get("kernel"))
     if kind is None:
         raise ValueError(f"table bucket kernel {bucket.get('kernel')!r}; allowed: {', '.join(BY_KERNEL)}")
-    allowed = {f.name for f in dataclasses.fields(kind)} - {"source"}
-    params = {k: v for k, v in bucket.items() if k not in NOTE_KEYS and k != "kernel"}
-    if unknown := sorted(set(params) - allowed):
+    allowed = _FIELDS[kind]
+    params = {k: v for k, v in bucket.items() if k not in NOTE_KEYS}
+    if unknown := sorted(params.keys() - allowed):
         raise ValueError(
             f"table bucket {bucket}: {kind.kernel} has no field {', '.join(unknown)}; "
             f"allowed: {', '.join(sorted(allowed))}"

@@ -195,6 +195,19 @@ def test_fp32_weight_large_m_runs_on_its_terms(gen, monkeypatch, m, n):
     assert not calls
 
 
+def test_fp32_weight_terms_launch_is_resolved_against_the_terms(gen):
+    """The terms' launch is resolved for the terms tensor itself: a ``wgmma_ws`` choice that the
+    terms cannot take (here: the interpreter) runs the Triton fallback, same accuracy."""
+    import vllm_router_ext.ops.dispatch as d
+    from csrc_triton.launches import Fp32WeightTermsLaunch
+
+    x, _ = _inputs(gen, 40, 512, 48)
+    w = (torch.randn(48, 512, generator=gen) / 22.6).to(DEV)  # genuinely fp32
+    out = _poisoned(40, 48, torch.float32)
+    d._by_terms(Fp32WeightTermsLaunch(choice.wgmma_ws(128, 0)), x.contiguous(), fp32_weight_terms(w), out)
+    assert relative_error(out, reference_logits(x, w)) <= 1e-6
+
+
 @pytest.mark.parametrize("mode", ["fp32", "bf16-fp32out"])
 def test_batch_invariant_needle_through_dispatch(dot_order, gen, mode):
     k, n = 512, 48

@@ -22,6 +22,7 @@ import torch
 
 from csrc_triton import cdiv
 from csrc_triton import tables as T
+from csrc_triton.environment import interpreting
 from csrc_triton.launches import (
     WGMMA_WS_BLOCK_M,
     CublasLaunch,
@@ -99,8 +100,6 @@ class Problem:
         weight_terms: bool = False,
     ) -> Problem:
         """The problem these tensors pose on their device."""
-        from csrc_triton.environment import interpreting
-
         device = cuda_device(x.device.index or 0) if x.is_cuda else CPU_INTERPRETER
         return cls(
             x.shape[0],
@@ -411,9 +410,9 @@ def split_sum_variants(launch: KernelLaunch, k: int) -> list[KernelLaunch]:
     the same order): split-K's ticket, or a second launch with PDL; ``wgmma_ws``'s sum plain or
     with PDL let go early or late. Empty without such a sum. The tuner times each per M."""
     if isinstance(launch, SplitKLaunch):
-        if launch.splits_in_program or launch.k_per_split >= k:
+        if not _sums_across_programs(launch, k):
             return []
-        return [replace(launch, ticket=True, pdl=False), replace(launch, ticket=False, pdl=True)]
+        return [_with(launch, ticket=True, pdl=False), _with(launch, ticket=False, pdl=True)]
     if isinstance(launch, WgmmaWsLaunch) and 0 < launch.k_per_split < k:
         return [replace(launch, pdl=pdl) for pdl in (0, 1, 2)]
     return []
@@ -423,19 +422,19 @@ def heuristic(p: Problem, allow_wgmma_ws: bool = True) -> KernelLaunch:
     """The launch for a shape or GPU the table lacks (docs/kernels.md, "The heuristic"). On
     Hopper a split-K sum across programs is a second launch with PDL (``split_sum_variants``)."""
     launch = _heuristic_kernel(p, allow_wgmma_ws)
-    if (
-        p.hopper
-        and isinstance(launch, SplitKLaunch)
-        and not launch.splits_in_program
-        and launch.k_per_split < p.k
-    ):
+    if p.hopper and isinstance(launch, SplitKLaunch) and _sums_across_programs(launch, p.k):
         return _with(launch, ticket=False, pdl=True)  # split_sum_variants' last form
     return launch
 
 
-def _with(launch, **changes):
+def _sums_across_programs(launch: SplitKLaunch, k: int) -> bool:
+    """A split-K launch whose splits are programs of their own, summed after them."""
+    return not launch.splits_in_program and launch.k_per_split < k
+
+
+def _with(obj, **changes):
     """``dataclasses.replace`` without its per-call field walk: this runs on every eager op call."""
-    return type(launch)(**{**vars(launch), **changes})
+    return type(obj)(**{**vars(obj), **changes})
 
 
 def _heuristic_kernel(p: Problem, allow_wgmma_ws: bool) -> KernelLaunch:
@@ -531,7 +530,7 @@ def batch_invariant_buckets(p: Problem) -> list[tuple[int, KernelLaunch]]:
     ends = [b["max_m"] for b in T.table_buckets(p.device.name, p.k, p.n, key) if b["max_m"]]
     buckets: list[tuple[int, KernelLaunch]] = []
     for m in range(1, max([BUCKET_SCAN_TO, *(e + 1 for e in ends)]) + 1):
-        launch = choose(replace(p, m=m))
+        launch = choose(_with(p, m=m))
         if not buckets or buckets[-1][1] != launch:
             buckets.append((m, launch))
     return buckets

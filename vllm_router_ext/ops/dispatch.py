@@ -51,11 +51,12 @@ def _by_terms(
     launch: Fp32WeightTermsLaunch, x: torch.Tensor, terms: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
     """``x @ weight.T`` for an fp32 weight from its bf16 terms ``[3N, K]``: hi, mid and lo logits
-    from one launch, added smallest first."""
+    from one launch, added smallest first. The terms' launch is resolved against the terms tensor
+    (its rows, not the fp32 weight's, are what TMA reads)."""
     n = out.shape[1]
     parts = torch.empty((x.shape[0], 3 * n), dtype=torch.float32, device=x.device)
     problem = choice.Problem.of(x, terms, RouterPrecision.FP32)
-    _run_fitting(launch.terms, problem, x, terms, parts)
+    _run_fitting(choice.resolve(launch.terms, problem), problem, x, terms, parts)
     torch.add(parts[:, 2 * n :], parts[:, n : 2 * n], out=out)
     return out.add_(parts[:, :n])
 
