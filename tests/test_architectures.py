@@ -79,7 +79,9 @@ def test_each_release_builds_our_gate_with_its_routing(vllm_dist, tmp_path, gen,
     for key in ("n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "topk_method"):
         assert getattr(hf, key) == preset[key], key  # vLLM parsed the release's routing
     entry = ModelRegistry.models[arch]
-    assert (entry.module_name, entry.class_name) == ("vllm_router_ext.models.deepseek_v2", arch)
+    from vllm_router_ext.models.override import RouterPrecisionMixin
+
+    assert entry.load_model_cls().__mro__[1] is RouterPrecisionMixin
 
     block, settings = _moe_block(cfg)
     assert settings.precision is RouterPrecision.FP32 and settings.source == f"auto: architecture {arch}"

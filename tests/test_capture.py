@@ -92,7 +92,7 @@ def test_cli_flags_reach_every_process_and_bad_values_exit_2(vllm_dist, tmp_path
 
 
 def test_capture_needs_eager_mode_and_skips_drafts(tmp_path):
-    from vllm_router_ext.models.deepseek_v2 import _capture_settings
+    from vllm_router_ext.models.override import _capture_settings
 
     def config(eager: bool):
         extra = {"router_capture_dir": str(tmp_path)}
@@ -332,7 +332,7 @@ def test_each_data_parallel_engine_core_writes_its_own_numbered_file(vllm_dist, 
 
     import vllm_router_ext.capture as c
     from vllm_router_ext.layers.gate import router_settings_scope
-    from vllm_router_ext.models.deepseek_v2 import _attach_capture
+    from vllm_router_ext.models.override import _attach_capture
     from vllm_router_ext.precision import RouterPrecision, RouterSettings
 
     (tmp_path / "router-capture-1-dp0.json").write_text("{}")

@@ -86,9 +86,40 @@ def test_architecture_table(arch):
     assert p is RouterPrecision.FP32 and src == f"auto: architecture {arch}"
 
 
-def test_auto_leaves_other_models_stock():
-    p, src, _ = resolve_router_precision(architecture="Glm4MoeForCausalLM")
-    assert p is RouterPrecision.BF16 and "not in the DeepSeek-V2 family" in src
+def test_auto_follows_each_familys_reference():
+    p, src, _ = resolve_router_precision(architecture="Glm4MoeForCausalLM")  # fp32 reference
+    assert p is RouterPrecision.FP32 and src == "auto: architecture Glm4MoeForCausalLM"
+    p, src, _ = resolve_router_precision(architecture="Qwen3MoeForCausalLM")  # model-dtype reference
+    assert p is None and src == "auto: Qwen3-MoE routes on model-dtype logits (Qwen3MoeForCausalLM)"
+    p, src, _ = resolve_router_precision(architecture="LlamaForCausalLM")
+    assert p is None and "not in the family table" in src
+
+
+def test_every_family_names_a_reference_that_says_what_auto_runs():
+    """Each family's reference file exists in the installed transformers, and an fp32 ``auto``
+    comes with an fp32 router line in it."""
+    import importlib.util
+    from pathlib import Path
+
+    from vllm_router_ext.families import FAMILIES, family_of
+
+    root = Path(importlib.util.find_spec("transformers").origin).parent / "models"
+    archs = [a for f in FAMILIES for a in f.architectures + f.drafts]
+    assert len(archs) == len(set(archs))  # one family per architecture
+    for family in FAMILIES:
+        assert all(family_of(a) is family for a in family.architectures + family.drafts)
+        assert family.auto in (None, "fp32")
+        if not family.reference.startswith("transformers "):
+            assert family.reference.startswith("no reference modeling file read")
+            continue
+        name = family.reference.split()[1].rstrip(":")
+        source = (root / name / f"modeling_{name}.py").read_text(encoding="utf-8")
+        fp32_router = any(
+            s in source for s in ("hidden_states.type(torch.float32)", "F.linear(hidden_states.float()",
+                                  "dtype=torch.float32)", "hidden_states.to(self.weight.dtype)")
+        )  # fmt: skip
+        if family.auto == "fp32":
+            assert fp32_router, family.name
 
 
 def test_auto_means_not_set_at_that_level():

@@ -77,7 +77,7 @@ def test_each_mode_generates_and_routes_like_fp64(tiny_model, run_offline, mode,
     assert len(gates) == 1  # layer 0 is dense (first_k_dense_replace=1)
     for g in gates:
         assert g["class"] == "RouterGateLinear"
-        assert g["model_class"] == "vllm_router_ext.models.deepseek_v2.DeepseekV3ForCausalLM"
+        assert g["model_class"] == "vllm_router_ext.models.override.DeepseekV3ForCausalLM"
         assert g["precision"] == expect
         assert g["weight_dtype"] == weight_dtype
         assert g["bias_dtype"] == "torch.float32"  # e_score_correction_bias stays fp32
@@ -110,7 +110,7 @@ def test_each_release_cpu_vllm_runs_generates_and_routes_like_fp64(tmp_path, run
     result = run_offline(path)
     assert all(len(t) > 0 for t in result["texts"])
     (g,) = result["gates"][0]
-    assert g["model_class"] == f"vllm_router_ext.models.deepseek_v2.{arch}"
+    assert g["model_class"] == f"vllm_router_ext.models.override.{arch}"
     assert g["precision"] == "fp32" and g["source"] == f"auto: architecture {arch}"
     assert g["out_dtype"] == "torch.float32"
     _check_gate_records(result, path, "fp32")
@@ -247,7 +247,7 @@ def test_mtp_draft_routes_with_the_targets_settings(tmp_path, run_offline, extra
     (target,) = result["gates"][0]
     (draft,) = result["draft_gates"][0]
     assert draft["name"] == "model.layers.2.mtp_block.mlp.gate"
-    assert draft["model_class"] == "vllm_router_ext.models.deepseek_v2.DeepSeekMTPModel"
+    assert draft["model_class"] == "vllm_router_ext.models.override.DeepSeekMTP"
     for g in (target, draft):
         assert g["class"] == "RouterGateLinear"
         assert g["precision"] == mode and g["source"] == source
@@ -277,7 +277,7 @@ def test_eagle_draft_head_routes_with_the_targets_precision(tmp_path, run_offlin
     )
     assert all(len(t) > 0 for t in result["texts"])
     (draft,) = result["draft_gates"][0]
-    assert draft["model_class"] == "vllm_router_ext.models.deepseek_v2.EagleDeepSeekMTPModel"
+    assert draft["model_class"] == "vllm_router_ext.models.override.EagleDeepseekV3ForCausalLM"
     assert draft["class"] == "RouterGateLinear" and draft["precision"] == "fp32"
     assert draft["source"] == "auto: architecture DeepseekV3ForCausalLM"
     assert draft["out_dtype"] == "torch.float32" and draft["bias_dtype"] == "torch.float32"

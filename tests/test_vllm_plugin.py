@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata as md
+import json
 import subprocess
 import sys
 
@@ -34,39 +36,111 @@ def test_entry_point_is_discovered_by_vllm():
     assert load_plugins_by_group("vllm.general_plugins")["router_ext"] is vllm_router_ext.register
 
 
-def test_register_is_idempotent_and_replaces_gate_linear(vllm_dist):
+def test_register_is_idempotent_and_wraps_every_registry_entry(vllm_dist):
+    from vllm import ModelRegistry
+
+    import vllm_router_ext
+    from vllm_router_ext.models.override import OverriddenModel
+
+    vllm_router_ext.register()
+    vllm_router_ext.register()
+    entries = ModelRegistry.models
+    assert len(entries) > 300 and all(type(e) is OverriddenModel for e in entries.values())
+    assert not any(isinstance(e.entry, OverriddenModel) for e in entries.values())  # wrapped once
+
+
+@pytest.mark.parametrize(
+    "arch,module,name",
+    [
+        ("DeepseekV3ForCausalLM", "vllm.model_executor.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+        ("DeepSeekMTPModel", "vllm.model_executor.models.deepseek_mtp", "DeepSeekMTP"),  # a draft
+        ("Qwen3MoeForCausalLM", "vllm.model_executor.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+        ("GptOssForCausalLM", "vllm.model_executor.models.gpt_oss", "GptOssForCausalLM"),
+        ("LlamaForCausalLM", "vllm.model_executor.models.llama", "LlamaForCausalLM"),  # no router
+    ],
+)
+def test_the_registry_loads_vllms_own_class_with_the_mixin_in_front(vllm_dist, arch, module, name):
+    import importlib
+
+    from vllm import ModelRegistry
+
+    from vllm_router_ext.models.override import RouterPrecisionMixin
+
+    entry = ModelRegistry.models[arch]
+    assert (entry.entry.module_name, entry.entry.class_name) == (module, name)
+    in_tree = getattr(importlib.import_module(module), name)
+    cls = entry.load_model_cls()
+    assert issubclass(cls, in_tree) and cls.__mro__[1] is RouterPrecisionMixin and cls.__name__ == name
+    assert entry.load_model_cls() is cls
+    info = [json.dumps(dataclasses.asdict(e.inspect_model_cls())) for e in (entry, entry.entry)]
+    assert info[0] == info[1]  # vLLM's own model info (either may come from its json cache)
+
+
+def test_gate_linear_is_ours_once_a_model_needs_it_and_a_second_replacement_is_named(vllm_dist):
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 
-    import vllm_router_ext
-    from vllm_router_ext.layers.gate import RouterGateLinear
+    from vllm_router_ext.layers.gate import GateSettingsError, RouterGateLinear, register_gate_linear
 
-    vllm_router_ext.register()
-    vllm_router_ext.register()
+    register_gate_linear()
+    register_gate_linear()
     assert op_registry_oot["GateLinear"] is RouterGateLinear
-    gate = _gate()
-    assert type(gate) is RouterGateLinear and isinstance(gate, GateLinear)
+    assert type(_gate()) is RouterGateLinear
+
+    class OtherPluginsGate(GateLinear):
+        pass
+
+    op_registry_oot["GateLinear"] = OtherPluginsGate  # a hardware plugin registered first
+    try:
+        with pytest.raises(GateSettingsError) as e:
+            register_gate_linear("Qwen3-MoE (Qwen3MoeForCausalLM)")
+    finally:
+        op_registry_oot["GateLinear"] = RouterGateLinear
+    text = str(e.value)
+    assert "Qwen3-MoE (Qwen3MoeForCausalLM)" in text and "OtherPluginsGate" in text
+    assert "VLLM_PLUGINS" in text and "auto" in text
 
 
-def test_model_registry_points_deepseek_family_to_override(vllm_dist):
-    from vllm import ModelRegistry
+def test_a_gate_linear_subclass_is_ours_too(vllm_dist, gen):
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
-    family = ("DeepseekForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-    drafts = ("DeepSeekMTPModel", "DeepseekV32MTPModel", "EagleDeepSeekMTPModel")  # speculative decoding
-    for arch in family + drafts:
-        entry = ModelRegistry.models[arch]
-        assert entry.module_name == "vllm_router_ext.models.deepseek_v2" and entry.class_name == arch
-    # Other MoE families are not ours.
-    assert ModelRegistry.models["Glm4MoeForCausalLM"].module_name.startswith("vllm.")
-    from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM as InTree
+    from vllm_router_ext.layers.gate import (
+        GateSettingsError,
+        RouterGateMixin,
+        register_gate_linear,
+        router_settings_scope,
+    )
 
-    from vllm_router_ext.models import deepseek_v2 as override
+    class FamilyGate(GateLinear):  # a model's own gate class, GateLinear's constructor
+        LL_BF16_MAX_TOKENS = 32
 
-    cls = override.DeepseekV3ForCausalLM
-    assert issubclass(cls, InTree) and cls.__mro__[1] is override.RouterPrecisionMixin
-    from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP
+    try:
+        register_gate_linear("a model")
+        settings = RouterSettings(RouterPrecision.FP32, "test")
+        with set_default_torch_dtype(torch.bfloat16), router_settings_scope(settings):
+            gate = FamilyGate(64, 8, prefix=PREFIX)
+        assert isinstance(gate, FamilyGate) and isinstance(gate, RouterGateMixin)
+        assert gate.router_precision is RouterPrecision.FP32 and gate.out_dtype == torch.float32
+        w = torch.randn(8, 64, generator=gen).to(torch.bfloat16)
+        gate.weight_loader(gate.weight, w)
+        x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+        out, _ = gate(x)
+        ref = x.double() @ w.double().T
+        assert out.dtype == torch.float32 and torch.allclose(out.double(), ref, rtol=1e-6, atol=1e-6)
+    finally:
+        op_registry_oot.pop("FamilyGate", None)
 
-    assert issubclass(override.DeepSeekMTPModel, DeepSeekMTP)
+    class OddGate(GateLinear):
+        def __init__(self, hidden: int, experts: int) -> None:
+            super().__init__(hidden, experts)
+
+    try:
+        with pytest.raises(GateSettingsError, match="OddGate, a GateLinear subclass with a constructor"):
+            register_gate_linear("a model")
+    finally:
+        op_registry_oot["OddGate"] = OddGate  # it stays a subclass for this process: mark it seen
 
 
 def test_gate_outside_the_override_is_stock_vllm(vllm_dist, gen):
@@ -81,12 +155,44 @@ def test_gate_outside_the_override_is_stock_vllm(vllm_dist, gen):
     out, _ = gate(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, F.linear(x, w), rtol=1e-2, atol=1e-2)
-    # A non-gate GateLinear (e.g. gpt-oss's `router`) is never touched, even inside the scope.
+    # Settings that own nothing (auto on a family that keeps vLLM's gate) leave it stock; a
+    # gate of any name (gpt-oss's `router`) is ours where they do.
     from vllm_router_ext.layers.gate import router_settings_scope
 
+    with router_settings_scope(RouterSettings(None, "auto: a model-dtype family")):
+        assert _gate().router_settings is None
     with router_settings_scope(RouterSettings(RouterPrecision.FP32, "test")):
         router = _gate(prefix="model.layers.0.mlp.router")
-    assert router.router_settings is None
+    assert router.router_precision is RouterPrecision.FP32
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16-fp32out", "bf16"])
+@pytest.mark.parametrize("skip_bias_add", [False, True])
+def test_a_gate_bias_is_added_to_fp32_sums(vllm_dist, gen, mode, skip_bias_add):
+    """gpt-oss's router has a bias: logits = x W^T + b, with one rounding in bf16 (as F.linear);
+    with skip_bias_add the model adds it (K2-Horizon), and gets it back beside the logits."""
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from vllm_router_ext.layers.gate import register_gate_linear, router_settings_scope
+
+    register_gate_linear()
+    settings = RouterSettings(RouterPrecision(mode), "t")
+    with set_default_torch_dtype(torch.bfloat16), router_settings_scope(settings):
+        gate = GateLinear(96, 12, bias=True, skip_bias_add=skip_bias_add, prefix="m.router")
+    w = torch.randn(12, 96, generator=gen).to(torch.bfloat16)
+    b = torch.randn(12, generator=gen).to(torch.bfloat16)
+    gate.weight_loader(gate.weight, w)
+    gate.weight_loader(gate.bias, b)
+    x = torch.randn(6, 96, generator=gen).to(torch.bfloat16)
+    out, bias = gate(x)
+    ref = x.double() @ w.double().T + (0 if skip_bias_add else b.double())
+    assert (bias is gate.bias) == skip_bias_add and (bias is None) != skip_bias_add
+    assert out.dtype == (torch.bfloat16 if mode == "bf16" else torch.float32)
+    if mode == "bf16":
+        assert ((out.double() - ref).abs() <= 2**-8 * ref.abs()).all()  # one bf16 rounding
+    else:
+        assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 def test_gate_in_scope_turns_off_every_vllm_tier_a_later_one_too(vllm_dist, monkeypatch):
@@ -232,11 +338,11 @@ def test_vllm_loading_the_plugin_on_an_unsupported_vllm_stops_with_that_error(tm
 
 
 def test_a_bad_table_override_stops_the_model_build(vllm_dist, table_env):
-    """VLLM_ROUTER_EXT_TABLE is checked when the DeepSeek override is built (on every device),
+    """VLLM_ROUTER_EXT_TABLE is checked when a model that owns gates is built (on every device),
     before any weight is loaded or request served."""
     from types import SimpleNamespace
 
-    from vllm_router_ext.models.deepseek_v2 import RouterPrecisionMixin
+    from vllm_router_ext.models.override import RouterPrecisionMixin
 
     built = []
 

@@ -238,33 +238,3 @@ def test_demo_main_job(tmp_path):
     assert "[demo] completion: " in p.stdout
     assert "router precision bf16-fp32out (from --router-precision)" in p.stdout
     assert "[demo] server stopped (exit code 0)" in p.stdout
-
-
-def test_settings_for_a_model_the_plugin_does_not_cover_warn_once_naming_them(tmp_path, monkeypatch):
-    """``vllm serve Qwen3-MoE --router-precision fp32 --router-capture DIR``: the plugin owns no
-    router there, so one warning names the model and every setting that changes nothing."""
-    from types import SimpleNamespace
-
-    from vllm_router_ext.cli import warn_unless_covered
-
-    monkeypatch.delenv("VLLM_ROUTER_PRECISION", raising=False)
-    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
-
-    def config(arch: str, extra: dict):
-        hf = SimpleNamespace(architectures=[arch])
-        return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf), additional_config=extra)
-
-    with _cli_warnings() as messages:
-        extra = {
-            "router_precision_cli": "fp32",
-            "router_batch_invariant_cli": True,
-            "router_capture_dir_cli": str(tmp_path / "cap"),
-        }
-        text = warn_unless_covered(config("Qwen3MoeForCausalLM", extra))
-        assert warn_unless_covered(config("DeepseekV3ForCausalLM", extra)) is None  # covered: used
-        assert warn_unless_covered(config("Qwen3MoeForCausalLM", {})) is None  # nothing set
-    assert messages == [text]
-    assert "router precision fp32 (from --router-precision)" in text
-    assert "router batch invariance (from --router-batch-invariant)" in text
-    assert f"router capture into '{tmp_path / 'cap'}' (from --router-capture)" in text
-    assert "does nothing for Qwen3MoeForCausalLM" in text and "DeepseekV3ForCausalLM" in text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 #: The vLLM releases this plugin supports: (major, minor) from, up to but not including. Their
-#: GateLinear, PluggableLayer and DeepSeek-V2 model file are what the plugin replaces and wraps.
+#: GateLinear, PluggableLayer and model registry are what the plugin replaces and wraps.
 SUPPORTED_VLLM: tuple[tuple[int, int], tuple[int, int]] = ((0, 32), (0, 34))
 SUPPORTED_VLLM_TEXT = "0.32.x and 0.33.x"
 _LOCK = threading.Lock()
@@ -50,13 +50,9 @@ def register_all() -> None:
         from vllm import ModelRegistry
 
         from vllm_router_ext.cli import install_cli_flags
-        from vllm_router_ext.layers.gate import register_gate_linear
-        from vllm_router_ext.models.deepseek_v2 import IN_TREE_CLASSES
+        from vllm_router_ext.models.override import override_registry
 
-        register_gate_linear()
-        supported = set(ModelRegistry.get_supported_archs())
-        for arch in IN_TREE_CLASSES:
-            if arch in supported:
-                ModelRegistry.register_model(arch, f"vllm_router_ext.models.deepseek_v2:{arch}")
+        # Our GateLinear is registered while a model that needs it is built (models/override.py).
+        override_registry(ModelRegistry)
         install_cli_flags()
         _DONE = True

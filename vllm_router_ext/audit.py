@@ -25,11 +25,14 @@ from pathlib import Path
 import torch
 
 from vllm_router_ext.capture import FILE_RE, CaptureError, captures_in, describe_capture, read_capture
+from vllm_router_ext.families import FAMILIES
 from vllm_router_ext.ops import router_gemm
 from vllm_router_ext.ops.reference import RoutingConfig, changed_expert_sets, select_experts
 from vllm_router_ext.ops.router_gemm import fp32_weight_terms
 from vllm_router_ext.plotting import PLOT_MISSING, pyplot
-from vllm_router_ext.precision import DEEPSEEK_V2_FAMILY
+
+#: The families whose routing the audit replays: DeepSeek's (grouped top-k, softmax or sigmoid).
+AUDITED_ARCHITECTURES = FAMILIES[0].architectures + FAMILIES[1].architectures
 
 DEEPSEEK_MODEL_TYPES = ("deepseek", "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa")
 GATE_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.weight$")
@@ -66,10 +69,10 @@ def open_checkpoint(model_dir: str | Path) -> Checkpoint:
         raise AuditError(f"{root} has no config.json: not a Hugging Face checkpoint directory")
     config = json.loads(cfg_path.read_text(encoding="utf-8"))
     archs = config.get("architectures") or []
-    if not (set(archs) & set(DEEPSEEK_V2_FAMILY) or config.get("model_type") in DEEPSEEK_MODEL_TYPES):
+    if not (set(archs) & set(AUDITED_ARCHITECTURES) or config.get("model_type") in DEEPSEEK_MODEL_TYPES):
         raise AuditError(
             f"{root} is not a DeepSeek-family checkpoint (architectures {archs}, model_type "
-            f"{config.get('model_type')!r}); supported architectures: {', '.join(DEEPSEEK_V2_FAMILY)}"
+            f"{config.get('model_type')!r}); supported architectures: {', '.join(AUDITED_ARCHITECTURES)}"
         )
     for key in ("hidden_size", "n_routed_experts", "num_experts_per_tok"):
         if key not in config:

@@ -40,7 +40,7 @@ def add_router_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     if any(getattr(a, "dest", None) == "router_precision" for a in parser._actions):
         return parser
     group = parser.add_argument_group(
-        title="vllm-router-ext", description="MoE router GEMM precision (DeepSeek-V2 family)."
+        title="vllm-router-ext", description="MoE router GEMM precision (every GateLinear router)."
     )
     # Defaults stay None (unset: lower-precedence sources apply). Each help names the real default;
     # its empty "%(default).0s" stops vLLM's help formatter from appending "(default: None)".
@@ -48,9 +48,11 @@ def add_router_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "--router-precision",
         choices=RouterPrecision.choices(),
         default=None,
-        help="MoE router GEMM precision. auto (default): fp32 for the DeepSeek-V2 family, stock "
-        "vLLM for other models; fp32: fp32 accumulation and logits, never TF32; bf16-fp32out: bf16 "
-        "products, fp32 accumulation and logits; bf16: bf16 logits, as stock vLLM.%(default).0s",
+        help="MoE router GEMM precision. auto (default): per model family, as its reference "
+        "implementation routes (fp32 for DeepSeek, GLM-4.5, MiniMax-M2, ...; vLLM's own gate for "
+        "Qwen, gpt-oss, Mixtral, ...: docs/precision.md); fp32: fp32 accumulation and logits, "
+        "never TF32; bf16-fp32out: bf16 products, fp32 accumulation and logits; bf16: bf16 logits, "
+        "as stock vLLM.%(default).0s",
     )
     group.add_argument(
         "--router-capture",
@@ -148,7 +150,6 @@ def install_cli_flags() -> None:
 
     def create_engine_config(self, *a, **kw):
         config = original_create(self, *a, **kw)
-        warn_unless_covered(config)
         finish_captures_at_exit(config.additional_config)
         return config
 
@@ -173,38 +174,3 @@ def finish_captures_at_exit(additional_config: Any) -> None:
         return
     _FINISHING.add(str(capture.directory))
     atexit.register(trim_unfinished, capture.directory, next_run(capture.directory))
-
-
-def warn_unless_covered(vllm_config: Any) -> str | None:
-    """One warning naming what the user set for a model whose router the plugin does not own
-    (its settings would change nothing); the warning's text, or None when there is nothing to say."""
-    from vllm_router_ext.capture import resolve_capture
-    from vllm_router_ext.precision import DEEPSEEK_V2_DRAFTS, DEEPSEEK_V2_FAMILY, resolve_router_settings
-
-    archs = list(getattr(vllm_config.model_config.hf_config, "architectures", None) or [])
-    if set(archs) & set(DEEPSEEK_V2_FAMILY + DEEPSEEK_V2_DRAFTS):
-        return None
-    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
-    try:
-        settings = resolve_router_settings(vllm_config)
-        capture = resolve_capture(extra)
-    except ValueError:
-        return None  # a bad value: named where the setting is used
-    unused = []
-    if not settings.source.startswith(("auto", "HF config")):
-        unused.append(f"router precision {settings.precision.value} (from {settings.source})")
-    if settings.batch_invariant and settings.batch_invariant_source != "VLLM_BATCH_INVARIANT=1":
-        unused.append(f"router batch invariance (from {settings.batch_invariant_source})")
-    if capture is not None:
-        unused.append(f"router capture into {str(capture.directory)!r} (from {capture.source})")
-    if not unused:
-        return None
-    from vllm.logger import init_logger
-
-    text = (
-        f"vllm-router-ext: {'; '.join(unused)} does nothing for {', '.join(archs) or 'this model'}: the "
-        f"plugin owns the router of {', '.join(DEEPSEEK_V2_FAMILY)} only; this model keeps vLLM's own "
-        "router GEMM"
-    )
-    init_logger(f"vllm.{__name__}").warning(text)
-    return text

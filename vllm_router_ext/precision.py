@@ -7,9 +7,10 @@ Resolution, first source that is set wins (``auto`` at any level means "not set 
 3. the environment variable ``VLLM_ROUTER_PRECISION``,
 4. the model's HF config key ``router_precision`` (settable with ``--hf-overrides``),
 5. vLLM's own HF config key ``moe_router_dtype: "float32"`` -> ``fp32``,
-6. the architecture table (``auto``): ``fp32`` for the DeepSeek-V2 family (fp32 accumulation of
-   the exact bf16 products changes no expert set where ``bf16-fp32out`` changes a few in 10^4, at
-   about the same speed), the stock ``bf16`` for any other model.
+6. the family table (``auto``, :mod:`vllm_router_ext.families`): ``fp32`` for a family whose
+   reference computes its router logits in fp32 (the DeepSeek-V2 family, GLM-4.5, MiniMax-M2, ...),
+   vLLM's own gate for one whose reference computes them in the model dtype and for any model
+   outside the table.
 
 Batch invariance: ``--router-batch-invariant`` / ``additional_config["router_batch_invariant"]`` /
 vLLM's ``VLLM_BATCH_INVARIANT=1``.
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from csrc_triton import environment
+from vllm_router_ext.families import family_of
 
 ENV_VAR = environment.PRECISION
 CONFIG_KEY = "router_precision"
@@ -31,20 +33,6 @@ CONFIG_KEY = "router_precision"
 CLI_CONFIG_KEY = "router_precision_cli"
 BATCH_INVARIANT_KEY = "router_batch_invariant"
 CLI_BATCH_INVARIANT_KEY = "router_batch_invariant_cli"
-
-#: Architectures that vLLM 0.32 maps to ``deepseek_v2.py`` (Kimi-K2 and Mistral-Large-3 reuse the
-#: V3 class). ``auto`` resolves to ``fp32`` for all of them.
-DEEPSEEK_V2_FAMILY: tuple[str, ...] = (
-    "DeepseekForCausalLM",
-    "DeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM",
-    "DeepseekV32ForCausalLM",
-    "GlmMoeDsaForCausalLM",
-)
-#: vLLM's speculative-decoding draft architectures for that family (MTP layers, EAGLE heads):
-#: never in a checkpoint's config.json, but ``auto`` treats them like their target.
-DEEPSEEK_V2_DRAFTS: tuple[str, ...] = ("DeepSeekMTPModel", "DeepseekV32MTPModel", "EagleDeepSeekMTPModel")
-
 
 class RouterPrecision(str, enum.Enum):
     """How the router GEMM stores its weight, accumulates and stores its logits."""
@@ -89,18 +77,38 @@ _BY_VALUE: dict[str, RouterPrecision] = {p.value: p for p in RouterPrecision}
 
 @dataclass(frozen=True)
 class RouterSettings:
-    """The resolved router settings for one model, handed to every gate it builds."""
+    """The resolved router settings for one model, handed to every gate it builds.
+    ``precision`` None: vLLM's own gate (``auto`` on a family that routes in the model dtype)."""
 
-    precision: RouterPrecision
+    precision: RouterPrecision | None
     source: str
     batch_invariant: bool = False
     batch_invariant_source: str = "default"
     #: (source, value) pairs that were set but lost to a higher-precedence source.
     overridden: tuple[tuple[str, str], ...] = field(default=())
+    #: The model, as messages name it: its family and architecture.
+    model: str = "this model"
+    #: A router capture records in our gates (at vLLM's own precision where none is set).
+    captures: bool = False
+
+    @property
+    def asked(self) -> tuple[str, ...]:
+        """What a user set (flag, configs, environment) that needs gates of ours, in words."""
+        out = []
+        if self.precision is not None and not self.source.startswith(("auto", "HF config moe_router_dtype")):
+            out.append(f"router precision {self.precision.value} (from {self.source})")
+        if self.batch_invariant and self.batch_invariant_source != "VLLM_BATCH_INVARIANT=1":
+            out.append(f"router batch invariance (from {self.batch_invariant_source})")
+        return tuple(out)
+
+    @property
+    def owns_gates(self) -> bool:
+        return self.precision is not None or self.batch_invariant or self.captures
 
     def describe(self) -> str:
+        precision = "vLLM's own" if self.precision is None else self.precision.value
         return (
-            f"router precision {self.precision.value} (from {self.source}), "
+            f"router precision {precision} (from {self.source}), "
             f"batch-invariant {'on' if self.batch_invariant else 'off'}"
             f" (from {self.batch_invariant_source})"
         )
@@ -118,10 +126,11 @@ def resolve_router_precision(
     env: Any = None,
     hf_config: Any = None,
     moe_router_dtype: Any = None,
-) -> tuple[RouterPrecision, str, tuple[tuple[str, str], ...]]:
+) -> tuple[RouterPrecision | None, str, tuple[tuple[str, str], ...]]:
     """Resolve one precision from its sources; pure function of its arguments.
 
-    Returns ``(precision, source, overridden)``. Every set source is validated, also
+    Returns ``(precision, source, overridden)``; precision None keeps vLLM's own gate. Every set
+    source is validated, also
     those that lose, so a typo anywhere is an error rather than silently ignored.
     """
     candidates: list[tuple[str, RouterPrecision]] = []
@@ -141,10 +150,12 @@ def resolve_router_precision(
         overridden = tuple((s, p.value) for s, p in candidates[1:] if p is not precision)
         return precision, source, overridden
 
-    if architecture in DEEPSEEK_V2_FAMILY + DEEPSEEK_V2_DRAFTS:
-        return RouterPrecision.FP32, f"auto: architecture {architecture}", ()
-    # Not a family we own: keep vLLM's behaviour (bf16 logits unless vLLM asks otherwise).
-    return RouterPrecision.BF16, f"auto: architecture {architecture} not in the DeepSeek-V2 family", ()
+    family = family_of(architecture)
+    if family is None:
+        return None, f"auto: architecture {architecture} is not in the family table", ()
+    if family.auto is None:
+        return None, f"auto: {family.name} routes on model-dtype logits ({architecture})", ()
+    return RouterPrecision(family.auto), f"auto: architecture {architecture}", ()
 
 
 def _parse_bool(value: Any, source: str) -> bool:
@@ -194,7 +205,10 @@ def resolve_router_settings(vllm_config: Any) -> RouterSettings:
         additional_config=extra.get(BATCH_INVARIANT_KEY),
         vllm_batch_invariant=environment.batch_invariant(),
     )
+    arch = archs[0] if archs else None
+    family = family_of(arch)
     return RouterSettings(
+        model=f"{family.name} ({arch})" if family else (arch or "this model"),
         precision=precision,
         source=source,
         batch_invariant=batch_invariant,

@@ -1,15 +1,16 @@
 """vLLM layers: the router GEMM as a vLLM ``CustomOp`` and the ``GateLinear`` replacement.
 
-The replacement is registered with ``@GateLinear.register_oot`` so vLLM builds it wherever a model
-asks for a ``GateLinear``. It changes nothing unless the gate is built inside
-:func:`router_settings_scope` (our DeepSeek-family model override opens it): every other model's
-gate (MiniMax, HY-V3, gpt-oss, ...) stays exactly what stock vLLM builds.
+The replacement is registered with ``GateLinear.register_oot`` (subclasses under their own names)
+so vLLM builds it wherever a model asks for a ``GateLinear``. It changes nothing unless the gate is
+built inside :func:`router_settings_scope` with settings that own gates (the model override opens
+it): a gate built anywhere else stays exactly what stock vLLM builds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -79,12 +80,15 @@ class RouterGemm(CustomOp):
 # --8<-- [end:router_gemm]
 
 
-class RouterGateLinear(GateLinear):
-    """``GateLinear`` whose GEMM runs in a resolved :class:`RouterPrecision`.
+class RouterGateMixin:
+    """What makes a ``GateLinear`` (or a subclass with its constructor) ours: built inside
+    :func:`router_settings_scope` with settings that own gates, it runs the resolved
+    :class:`RouterPrecision`; anywhere else it is the stock layer.
 
     Weight storage by mode: ``fp32`` keeps fp32 unless the checkpoint's values are exactly bf16
     (then bf16: the products and the fp32 accumulation are the same, at half the bytes);
-    ``bf16-fp32out`` and ``bf16`` keep the model dtype.
+    ``bf16-fp32out`` and ``bf16`` keep the model's gate dtype. A gate bias is added to the fp32
+    sums before the logits are stored (one rounding in ``bf16``, as ``F.linear``).
     """
 
     def __init__(
@@ -101,10 +105,14 @@ class RouterGateLinear(GateLinear):
         return_bias: bool = True,
     ) -> None:
         settings = _SETTINGS.get()
-        applies = settings is not None and not bias and prefix.endswith(".gate")
-        if applies:
+        if settings is not None and settings.owns_gates:
+            stock = stock_precision(params_dtype, out_dtype, force_fp32_compute)
+            settings = dataclasses.replace(settings, precision=settings.precision or stock)
+            check_logits_dtype(settings, stock, prefix)
             out_dtype = settings.precision.logits_dtype
             force_fp32_compute = False
+        else:
+            settings = None
         super().__init__(
             input_size,
             output_size,
@@ -119,7 +127,7 @@ class RouterGateLinear(GateLinear):
         )
         self.router_settings: RouterSettings | None = None
         self.router_capture = None  # a capture.GateCapture while --router-capture records
-        if not applies:
+        if settings is None:
             return
         if not self.is_unquantized:
             logger.warning_once(
@@ -139,7 +147,20 @@ class RouterGateLinear(GateLinear):
         # On the CPU platform vLLM's GEMM dispatch would repack ``weight`` for oneDNN and delete
         # it after loading; our op reads ``weight`` itself.
         self._cpu_skip_gemm_dispatch = True
-        self.router_gemm = RouterGemm(settings.precision, settings.batch_invariant)
+        # A bias is added to fp32 sums: bf16 logits then take one rounding, as F.linear's.
+        adds_bias = self.bias is not None and not self.skip_bias_add
+        gemm = settings.precision
+        if adds_bias and gemm is RouterPrecision.BF16:
+            gemm = RouterPrecision.BF16_FP32OUT
+        self._adds_bias = adds_bias
+        self.router_gemm = RouterGemm(gemm, settings.batch_invariant)
+
+    def set_out_dtype(self, out_dtype: torch.dtype) -> None:
+        if self.router_settings is None:
+            return super().set_out_dtype(out_dtype)
+        # The resolved precision already set the logits dtype; the model may only ask for it.
+        if out_dtype == torch.float32 and self.router_settings.precision.logits_dtype != torch.float32:
+            check_logits_dtype(self.router_settings, RouterPrecision.BF16_FP32OUT, self.prefix)
 
     @property
     def router_precision(self) -> RouterPrecision | None:
@@ -185,9 +206,13 @@ class RouterGateLinear(GateLinear):
         if self.router_settings is None:
             return super().forward(x)
         logits = self.router_gemm(x, self.weight, self.router_weight_terms)
+        if self._adds_bias:
+            logits = (logits + self.bias.float()).to(self.out_dtype or x.dtype)
         if self.router_capture is not None:
             self._record(x, logits)
-        return self._return(logits)
+        if not self.return_bias:
+            return logits
+        return logits, (self.bias if self.skip_bias_add else None)
 
     def _record(self, x: torch.Tensor, logits: torch.Tensor) -> None:
         try:
@@ -197,23 +222,86 @@ class RouterGateLinear(GateLinear):
             self.router_capture = None
 
 
-def register_gate_linear() -> None:
-    """Register :class:`RouterGateLinear` as vLLM's out-of-tree ``GateLinear`` (idempotent)."""
+class RouterGateLinear(RouterGateMixin, GateLinear):
+    """``GateLinear`` whose GEMM runs in a resolved :class:`RouterPrecision`."""
+
+
+def stock_precision(
+    params_dtype: torch.dtype | None, out_dtype: torch.dtype | None, force_fp32_compute: bool
+) -> RouterPrecision:
+    """The precision vLLM's own gate computes with these constructor arguments."""
+    if params_dtype == torch.float32:
+        return RouterPrecision.FP32
+    if out_dtype == torch.float32 or force_fp32_compute:
+        return RouterPrecision.BF16_FP32OUT
+    return RouterPrecision.BF16
+
+
+def check_logits_dtype(settings: RouterSettings, stock: RouterPrecision, prefix: str) -> None:
+    """A gate whose model asks for fp32 logits (its routing reads them) takes no bf16 logits."""
+    if stock is RouterPrecision.BF16 or settings.precision is not RouterPrecision.BF16:
+        return
+    allowed = [p.value for p in RouterPrecision if p is not RouterPrecision.BF16]
+    raise GateSettingsError(
+        f"vllm-router-ext: {settings.model} routes on fp32 logits (its gate {prefix or '(unnamed)'} "
+        f"asks for them), so router precision bf16 (from {settings.source}) cannot apply; allowed "
+        f"for this model: {', '.join(allowed)}"
+    )
+
+
+class GateSettingsError(ValueError):
+    """Router settings a model cannot take; raised while the model is built (start-up)."""
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_all_subclasses(sub)]
+    return out
+
+
+def active_gate_linear() -> type | None:
+    """The out-of-tree ``GateLinear`` replacement vLLM builds now (None: vLLM's own)."""
     from vllm.model_executor.custom_op import op_registry_oot
 
-    current = op_registry_oot.get("GateLinear")
-    if current is RouterGateLinear:
-        return
-    if current is not None:
-        raise RuntimeError(
-            f"another plugin already replaced vLLM's GateLinear with {current.__module__}."
-            f"{current.__qualname__}; vllm-router-ext cannot own the router GEMM as well"
+    return op_registry_oot.get("GateLinear")
+
+
+def register_gate_linear(model: str = "this model") -> None:
+    """Make vLLM build our gates for ``GateLinear`` and its subclasses (idempotent). Called while a
+    model that needs our gates is built, after every plugin has registered what it replaces: a
+    second replacement of ``GateLinear`` is then named with the way to choose, and a plugin that
+    never needs our gates never claims the name."""
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    current = active_gate_linear()
+    if current is None:
+        GateLinear.register_oot(RouterGateLinear)
+    elif current is not RouterGateLinear:
+        raise GateSettingsError(
+            f"vllm-router-ext: {model} asks for router settings of ours, but vLLM's GateLinear is "
+            f"replaced by {current.__module__}.{current.__qualname__} from another plugin. Choose one: "
+            "list the plugins vLLM may load in VLLM_PLUGINS (comma-separated entry-point names; "
+            "vllm_router_ext is ours), or leave the router settings unset (auto) to keep the other "
+            "plugin's gate"
         )
-    GateLinear.register_oot(RouterGateLinear)
+    for sub in _all_subclasses(GateLinear):
+        if issubclass(sub, RouterGateMixin) or op_registry_oot.get(sub.__name__) is not None:
+            continue
+        if sub.__init__ is not GateLinear.__init__:
+            raise GateSettingsError(
+                f"vllm-router-ext: {model} builds its router with {sub.__module__}.{sub.__qualname__}, "
+                "a GateLinear subclass with a constructor of its own, which vllm-router-ext cannot "
+                "take over; leave the router settings unset (auto) for this model"
+            )
+        ours = type(sub.__name__, (RouterGateMixin, sub), {"__module__": __name__})
+        sub.register_oot(ours, name=sub.__name__)
 
 
 __all__ = [
+    "GateSettingsError",
     "RouterGateLinear",
+    "RouterGateMixin",
     "RouterGemm",
     "register_gate_linear",
     "router_settings_scope",

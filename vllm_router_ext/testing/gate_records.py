@@ -10,13 +10,26 @@ import torch
 _RECORD_ATTR = "_router_ext_gate_records"
 
 
+def _gates(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, GateLinear)]
+
+
+def _correction_bias(model: torch.nn.Module, name: str, gate: torch.nn.Module) -> torch.Tensor | None:
+    """The selection bias of a sigmoid router: on the gate (DeepSeek, GLM) or its MoE block (MiniMax)."""
+    bias = getattr(gate, "e_score_correction_bias", None)
+    if bias is None and "." in name:
+        bias = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "e_score_correction_bias", None)
+    return bias
+
+
 def gate_summary(model: torch.nn.Module) -> list[dict[str, Any]]:
-    """Every ``*.mlp.gate`` of the model: class, dtypes and the precision it runs."""
+    """Every ``GateLinear`` of the model: class, dtypes and the precision it runs."""
     out = []
-    for name, m in model.named_modules():
-        if not name.endswith("mlp.gate"):
-            continue
-        bias = getattr(m, "e_score_correction_bias", None)
+    for name, m in _gates(model):
+        bias = _correction_bias(model, name, m)
+        linear_bias = getattr(m, "bias", None)
         settings = getattr(m, "router_settings", None)
         out.append(
             {
@@ -30,6 +43,7 @@ def gate_summary(model: torch.nn.Module) -> list[dict[str, Any]]:
                 "bias_dtype": None if bias is None else str(bias.dtype),
                 "weight": m.weight.detach().float().cpu().clone(),
                 "bias": None if bias is None else bias.detach().cpu().clone(),
+                "linear_bias": None if linear_bias is None else linear_bias.detach().float().cpu().clone(),
                 "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
             }
         )
@@ -41,8 +55,9 @@ def install_gate_recorders(model: torch.nn.Module) -> int:
     records: list[dict[str, Any]] = []
     setattr(model, _RECORD_ATTR, records)
     n = 0
+    gate_names = {name for name, _ in _gates(model)}
     for name, m in model.named_modules():
-        if name.endswith("mlp.gate"):
+        if name in gate_names:
 
             def hook(mod, args, output, name=name):
                 logits = output[0] if isinstance(output, tuple) else output

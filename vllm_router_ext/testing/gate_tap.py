@@ -141,6 +141,7 @@ class GateTap:
                 "precision": gate.router_settings.precision.value,
                 "batch_invariant": gate.router_settings.batch_invariant,
                 "bias": None if bias is None else bias.detach().cpu().clone(),
+                "linear_bias": None if gate.bias is None else gate.bias.detach().float().cpu().clone(),
             }
             summary[name] = {"rows": rows, "calls": calls}
             gate._tap_state[0] = 0

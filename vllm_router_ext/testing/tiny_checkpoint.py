@@ -344,6 +344,71 @@ def build_tiny_deepseek_eagle_head(out_dir: str | Path, *, seed: int = 0, target
     return out
 
 
+_TINY_BODY = dict(
+    vocab_size=2048, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64, max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    bos_token_id=0, eos_token_id=1, pad_token_id=1,
+)  # fmt: skip
+
+#: Other MoE families, each as its Hugging Face config (``model_type``, architecture) with the
+#: release's routing options on a tiny body; transformers writes the weights under its own names,
+#: which are what vLLM loads.
+FAMILY_PRESETS: dict[str, dict] = {
+    "qwen3-moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], intermediate_size=512,
+                      moe_intermediate_size=64, num_experts=32, num_experts_per_tok=4, norm_topk_prob=True),
+    "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], intermediate_size=128,
+                    num_local_experts=8, num_experts_per_tok=2),
+    "gpt-oss": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], intermediate_size=128,
+                    num_local_experts=8, num_experts_per_tok=2, sliding_window=128,
+                    layer_types=["sliding_attention", "full_attention"]),
+    "llama4": dict(model_type="llama4_text", architectures=["Llama4ForCausalLM"], intermediate_size=128,
+                   intermediate_size_mlp=256, num_local_experts=8, num_experts_per_tok=1,
+                   interleave_moe_layer_step=1, no_rope_layers=[1, 1], attn_temperature_tuning=False),
+    "glm4-moe": dict(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], intermediate_size=512,
+                     moe_intermediate_size=64, n_routed_experts=32, n_shared_experts=1, num_experts_per_tok=4,
+                     first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
+                     routed_scaling_factor=2.5, partial_rotary_factor=0.5),
+    "minimax-m2": dict(model_type="minimax_m2", architectures=["MiniMaxM2ForCausalLM"], intermediate_size=64,
+                       num_local_experts=32, num_experts_per_tok=4, rotary_dim=32, scoring_func="sigmoid",
+                       use_routing_bias=True),
+    "qwen3-next": dict(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], intermediate_size=512,
+                       moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=32,
+                       num_experts_per_tok=4, norm_topk_prob=True, full_attention_interval=2,
+                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+                       linear_value_head_dim=32),
+}  # fmt: skip
+
+
+def build_tiny_family(
+    out_dir: str | Path, family: str, *, seed: int = 0, overrides: dict | None = None
+) -> Path:
+    """A tiny random checkpoint of one of :data:`FAMILY_PRESETS` (its gate weights in the
+    release's dtype, as transformers keeps them) and the tokenizer, into ``out_dir``."""
+    if family not in FAMILY_PRESETS:
+        raise ValueError(f"unknown family {family!r}; allowed: {', '.join(FAMILY_PRESETS)}")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    preset = {**_TINY_BODY, **FAMILY_PRESETS[family], **(overrides or {})}
+    model_type = preset.pop("model_type")
+    config = AutoConfig.for_model(model_type, **preset)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:  # weights of unit scale at the gate (logits ~ N(0, 1) for unit inputs)
+                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+            elif "bias" in name or "correction" in name:
+                p.normal_(0.0, 0.5)
+        for name, buf in model.named_buffers():
+            if "correction_bias" in name:  # released in fp32, as vLLM builds it
+                buf.normal_(0.0, 0.5)
+    tensors = {k: v.float() if "correction_bias" in k else v for k, v in model.state_dict().items()}
+    out = Path(out_dir)
+    model.save_pretrained(str(out), state_dict=tensors)
+    _write_tokenizer(out, config.vocab_size)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir")

@@ -1,26 +1,29 @@
-"""DeepSeek-V2-family model override: resolve the router settings once per model and hand them
-to the gates while vLLM builds the model. Everything else is the in-tree class, unchanged.
+"""The model override: every model vLLM builds is its in-tree class with this mixin in front,
+which resolves the router settings once per model and hands them to the gates while vLLM builds
+it. A model that asks for nothing of ours (``auto`` on a family that keeps vLLM's gate, or a model
+without a router) builds exactly as without the plugin.
 
-The draft models of speculative decoding for this family (MTP layers, EAGLE heads) are overridden
-too: their MoE layers have router gates of their own, and vLLM builds a draft from the target's
-``VllmConfig``, so it resolves to the same settings as the target (a draft routing on bf16 logits
-while the target routes on fp32 would propose tokens from different experts than the target would
-pick).
+vLLM builds a speculative-decoding draft (MTP layers, EAGLE heads) from the target's
+``VllmConfig``, so it resolves to the target's settings (a draft routing on bf16 logits while the
+target routes on fp32 would propose tokens from other experts than the target would pick).
 
-Classes are built on first access (module ``__getattr__``) from the class vLLM itself would load,
-so the override follows vLLM's per-platform choice (e.g. DeepSeek-V3.2's CUDA model).
+The registry's entries are wrapped, not replaced: vLLM's own entry still inspects the class (its
+cached model info) and loads it (its per-platform choice); the wrapper puts the mixin in front.
 """
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from vllm.logger import init_logger
+from vllm.model_executor.models.registry import _BaseRegisteredModel
 
+from vllm_router_ext.families import is_draft
 from vllm_router_ext.precision import (
-    DEEPSEEK_V2_DRAFTS,
     RouterPrecision,
     RouterSettings,
     resolve_router_settings,
@@ -29,19 +32,42 @@ from vllm_router_ext.precision import (
 # Under "vllm." so vLLM's handlers and format apply.
 logger = init_logger(f"vllm.{__name__}")
 
-#: architecture -> (vLLM module, class) of the in-tree implementation this plugin wraps.
-IN_TREE_CLASSES: dict[str, tuple[str, str]] = {
-    "DeepseekForCausalLM": ("vllm.model_executor.models.deepseek_v2", "DeepseekForCausalLM"),
-    "DeepseekV2ForCausalLM": ("vllm.model_executor.models.deepseek_v2", "DeepseekV2ForCausalLM"),
-    "DeepseekV3ForCausalLM": ("vllm.model_executor.models.deepseek_v2", "DeepseekV3ForCausalLM"),
-    "DeepseekV32ForCausalLM": ("vllm.models.deepseek_v32", "DeepseekV32ForCausalLM"),
-    "GlmMoeDsaForCausalLM": ("vllm.models.deepseek_v32", "GlmMoeDsaForCausalLM"),
-    # Speculative-decoding drafts: vLLM rewrites a draft's architecture to these for the methods
-    # "mtp" / "deepseek_mtp" (MTP layers) and "eagle" (an EAGLE head with DeepSeek MoE layers).
-    "DeepSeekMTPModel": ("vllm.model_executor.models.deepseek_mtp", "DeepSeekMTP"),
-    "DeepseekV32MTPModel": ("vllm.models.deepseek_v32", "DeepseekV32MTP"),  # V3.2 and GLM-5
-    "EagleDeepSeekMTPModel": ("vllm.model_executor.models.deepseek_eagle", "EagleDeepseekV3ForCausalLM"),
-}
+
+@dataclass(frozen=True)
+class OverriddenModel(_BaseRegisteredModel):
+    """A registry entry: vLLM's own ``entry``, whose class is loaded with the mixin in front."""
+
+    entry: Any
+
+    def inspect_model_cls(self):
+        return self.entry.inspect_model_cls()
+
+    def load_model_cls(self) -> type[torch.nn.Module]:
+        return with_router_settings(self.entry.load_model_cls())
+
+
+def override_registry(registry) -> int:
+    """Wrap every entry of vLLM's model registry once; the number wrapped."""
+    n = 0
+    for arch, entry in list(registry.models.items()):
+        if not isinstance(entry, OverriddenModel):
+            registry.models[arch] = OverriddenModel(entry)
+            n += 1
+    return n
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def with_router_settings(base: type) -> type:
+    """``base`` with :class:`RouterPrecisionMixin` in front; one class per base, same name."""
+    if issubclass(base, RouterPrecisionMixin):
+        return base
+    cls = _CLASSES.get(base)
+    if cls is None:
+        attrs = {"__module__": __name__, "__qualname__": base.__qualname__, "__doc__": base.__doc__}
+        cls = _CLASSES[base] = type(base.__name__, (RouterPrecisionMixin, base), attrs)
+    return cls
 
 
 def router_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -61,14 +87,20 @@ def describe_implementation(settings: RouterSettings, weight: torch.Tensor) -> s
 
 
 class RouterPrecisionMixin:
-    """Mixed in front of an in-tree DeepSeek-family ``*ForCausalLM``."""
+    """Mixed in front of a vLLM model class."""
 
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+    def __init__(self, *, vllm_config, prefix: str = "", **kwargs) -> None:
         from csrc_triton.tables import table_choice
-        from vllm_router_ext.layers.gate import router_settings_scope
+        from vllm_router_ext.layers.gate import register_gate_linear, router_settings_scope
 
         settings = resolve_router_settings(vllm_config)
-        table_choice()  # a bad VLLM_ROUTER_EXT_TABLE stops the start-up here, naming the allowed values
+        arch = (getattr(vllm_config.model_config.hf_config, "architectures", None) or [None])[0]
+        capture = _capture_settings(vllm_config, arch)
+        if capture is not None:
+            settings = dataclasses.replace(settings, captures=True)  # our gates record
+        if settings.owns_gates:
+            table_choice()  # a bad VLLM_ROUTER_EXT_TABLE stops the start-up here, naming the allowed values
+            register_gate_linear(settings.model)
         for source, value in settings.overridden:
             logger.warning(
                 "vllm-router-ext: conflicting settings: %s from %s overrides %s from %s",
@@ -77,10 +109,10 @@ class RouterPrecisionMixin:
                 value,
                 source,
             )
-        capture = _capture_settings(vllm_config, type(self).__name__)
         with router_settings_scope(settings):
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         self.router_settings = settings
+        _refuse_unless_owned(self, settings, capture)
         if capture is not None:
             _attach_capture(self, vllm_config, settings, capture)
 
@@ -96,9 +128,18 @@ class RouterPrecisionMixin:
         return loaded
 
     def _log_router_settings(self) -> None:
+        from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
         gates = router_gates(self)
         if not gates:
-            logger.info("vllm-router-ext: no router gates to own in this model")
+            stock = sum(isinstance(m, GateLinear) for m in self.modules())
+            if stock:
+                logger.info(
+                    "vllm-router-ext: %s; %d gate(s) in %s left to vLLM's GateLinear",
+                    self.router_settings.describe(),
+                    stock,
+                    self.router_settings.model,
+                )
             return
         by_settings: dict[tuple, list] = {}
         for g in gates:
@@ -112,21 +153,45 @@ class RouterPrecisionMixin:
                 "vllm-router-ext: %s; %d gate(s) in %s; weight %s; logits %s; implementation: %s",
                 settings.describe(),
                 len(group),
-                type(self).__name__,
+                settings.model,
                 weight_note,
                 "float32" if settings.precision.logits_dtype == torch.float32 else "model dtype",
                 describe_implementation(settings, group[0].weight),
             )
 
 
-def _capture_settings(vllm_config, arch: str):
+def _refuse_unless_owned(model: torch.nn.Module, settings: RouterSettings, capture) -> None:
+    """Settings a user asked for that no gate of this model took stop the start-up, named."""
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    asked = list(settings.asked)
+    if capture is not None:
+        asked.append(f"router capture into {str(capture.directory)!r} (from {capture.source})")
+    if not asked or router_gates(model):
+        return
+    from vllm_router_ext.layers.gate import GateSettingsError
+
+    stock = [m for m in model.modules() if isinstance(m, GateLinear)]
+    why = (
+        f"its {len(stock)} GateLinear gate(s) are quantized"
+        if stock
+        else "it builds no GateLinear router (a dense model, or a router of another layer type)"
+    )
+    raise GateSettingsError(
+        f"vllm-router-ext: {'; '.join(asked)} cannot apply to {settings.model}: {why}. The plugin "
+        "owns routers built with vLLM's GateLinear (docs/precision.md lists the families); leave "
+        "the router settings unset (auto) for this model"
+    )
+
+
+def _capture_settings(vllm_config, arch: str | None):
     """The capture this model runs: None for drafts, and where none is asked for; a clear error
     where it cannot work (bad settings, or a mode whose replayed graphs would skip it)."""
     from vllm_router_ext.capture import CaptureError, resolve_capture
 
     extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
     capture = resolve_capture(extra)
-    if capture is None or arch in DEEPSEEK_V2_DRAFTS:
+    if capture is None or is_draft(arch):
         return None
     if not vllm_config.model_config.enforce_eager:
         raise CaptureError(
@@ -190,17 +255,3 @@ def _attach_capture(model, vllm_config, settings: RouterSettings, capture) -> No
         capture.source,
         size_text(need),
     )
-
-
-def _build(arch: str) -> type:
-    module_name, class_name = IN_TREE_CLASSES[arch]
-    base = getattr(importlib.import_module(module_name), class_name)
-    cls = type(arch, (RouterPrecisionMixin, base), {"__module__": __name__, "__qualname__": arch})
-    globals()[arch] = cls
-    return cls
-
-
-def __getattr__(name: str) -> type:
-    if name in IN_TREE_CLASSES:
-        return _build(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

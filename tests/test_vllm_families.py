@@ -1,0 +1,99 @@
+"""Router precision on other MoE families: offline ``vllm.LLM`` (real vLLM, CPU build) on tiny
+random checkpoints of each family, one subprocess each. Each case checks the gate that ran, its
+logits against fp64 of the same inputs, and vLLM's chosen experts against fp64's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_router_ext.families import family_of
+from vllm_router_ext.ops.reference import relative_error
+from vllm_router_ext.testing.tiny_checkpoint import FAMILY_PRESETS, build_tiny_family
+
+pytestmark = pytest.mark.vllm
+
+LOGIT_TOL = {"fp32": 1e-5, "bf16-fp32out": 1e-5, "bf16": 1e-2}
+
+
+def _expected(family: str, mode: str) -> str | None:
+    """The precision the gate runs: the flag's, or auto's (None: vLLM's own gate)."""
+    if mode != "auto":
+        return mode
+    return family_of(FAMILY_PRESETS[family]["architectures"][0]).auto
+
+
+def _selection_scores(logits: torch.Tensor, info: dict) -> torch.Tensor:
+    """The score whose top-k vLLM takes: the logits (softmax top-k: softmax keeps their order;
+    gpt-oss: its router bias is in the logits), or sigmoid + correction bias."""
+    if info["bias"] is not None:
+        return logits.sigmoid() + info["bias"].double()
+    return logits
+
+
+def _check(result, mode: str | None, k: int) -> None:
+    gates = {g["name"]: g for g in result["gates"][0]}
+    records = result["records"]
+    gate_recs = [r for r in records if r["kind"] == "gate"]
+    router_recs = [r for r in records if r["kind"] == "router"]
+    assert gate_recs and len(gate_recs) == len(router_recs)
+    compared = tokens = 0
+    for g, r in zip(gate_recs, router_recs, strict=True):
+        info = gates[g["name"]]
+        ref = g["x"].double() @ info["weight"].double().T
+        if info["linear_bias"] is not None:
+            ref = ref + info["linear_bias"].double()
+        logits = g["logits"]
+        if mode is not None:
+            assert logits.dtype == (torch.bfloat16 if mode == "bf16" else torch.float32)
+            assert relative_error(logits, ref) <= LOGIT_TOL[mode], g["name"]
+        scores = _selection_scores(ref, info)
+        top = scores.topk(k + 1, dim=-1).values
+        margin = (2**-7 if mode in (None, "bf16") else 1e-5) * (ref.abs().max().item() + 1)
+        clear = (top[:, k - 1] - top[:, k]) > margin  # no near-tie at the k-th expert
+        ref_ids = scores.topk(k, dim=-1).indices.sort(dim=-1).values
+        ids = r["ids"].long().sort(dim=-1).values
+        same = (ids == ref_ids).all(dim=-1)
+        assert same[clear].all(), f"{int((~same & clear).sum())} clearly ranked tokens routed differently"
+        compared += int(clear.sum())
+        tokens += len(clear)
+    assert compared >= (0.6 if mode in (None, "bf16") else 0.9) * tokens, (compared, tokens)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return lambda family: build_tiny_family(root / family, family)
+
+
+@pytest.mark.parametrize(
+    "family,mode",
+    [
+        ("qwen3-moe", "auto"),
+        ("qwen3-moe", "fp32"),
+        ("mixtral", "bf16-fp32out"),
+        ("gpt-oss", "fp32"),
+        ("llama4", "fp32"),
+        ("glm4-moe", "auto"),
+        ("glm4-moe", "bf16-fp32out"),
+    ],
+)
+def test_each_family_serves_with_the_flag_and_routes_like_fp64(checkpoints, run_offline, family, mode):
+    path = checkpoints(family)
+    arch = FAMILY_PRESETS[family]["architectures"][0]
+    result = run_offline(path, additional_config={"router_precision": mode})
+    assert all(len(t) > 0 for t in result["texts"])
+    expect = _expected(family, mode)
+    gates = result["gates"][0]
+    assert gates
+    for g in gates:
+        assert g["model_class"] == f"vllm_router_ext.models.override.{arch}"
+        assert g["precision"] == expect
+        if expect is None:
+            assert g["source"] is None and g["out_dtype"] == "None"  # vLLM's own gate, as built without us
+        else:
+            assert g["class"] == "RouterGateLinear"
+            assert g["out_dtype"] == ("None" if expect == "bf16" else "torch.float32")
+    _check(result, expect, FAMILY_PRESETS[family]["num_experts_per_tok"])
+    lines = [ln for ln in result["log"].splitlines() if "vllm-router-ext: router precision" in ln]
+    assert len(lines) == 1 and family_of(arch).name in lines[0] and arch in lines[0], lines
