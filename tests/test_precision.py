@@ -182,3 +182,16 @@ def test_bf16_round_trip_exactness(gen):
     assert not bf16_round_trip_exact(w)
     assert bf16_round_trip_exact(w.to(torch.bfloat16).float())
     assert bf16_round_trip_exact(w.to(torch.bfloat16))
+
+
+def test_the_docs_family_table_is_the_code_table():
+    from pathlib import Path
+
+    from vllm_router_ext.families import FAMILIES
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "precision.md").read_text(encoding="utf-8")
+    rows = [ln for ln in text.splitlines() if ln.startswith("| ") and ln.count("|") == 5]
+    documented = {r.split("|")[1].strip(): r.split("|")[3].strip() for r in rows}
+    for family in FAMILIES:
+        assert documented.get(family.name) == ("`fp32`" if family.auto else "vLLM's gate"), family.name
+        assert all(f"`{a}`" in text for a in family.architectures + family.drafts), family.name
