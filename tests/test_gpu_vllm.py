@@ -125,7 +125,8 @@ class Servers:
         for name in names:
             spec = SPECS[name]
             if spec.model in FAMILY_PRESETS:
-                self.models[name] = build_tiny_family(root / f"ckpt-{name}", spec.model, seed=len(self.models))
+                seed = len(self.models)
+                self.models[name] = build_tiny_family(root / f"ckpt-{name}", spec.model, seed=seed)
                 continue
             overrides = {**GPU_MLA_SIZES, "num_hidden_layers": 3}
             self.models[name] = build_tiny_model(
