@@ -36,7 +36,10 @@ _SETTINGS: contextvars.ContextVar[RouterSettings | None] = contextvars.ContextVa
 
 @contextlib.contextmanager
 def router_settings_scope(settings: RouterSettings) -> Iterator[None]:
-    """Gates built inside this scope use ``settings``; outside it they are stock vLLM."""
+    """Gates built inside this scope use ``settings``; outside it they are stock vLLM. Settings
+    that own gates register our ``GateLinear`` first (:func:`register_gate_linear`)."""
+    if settings.owns_gates:
+        register_gate_linear(settings.model)
     token = _SETTINGS.set(settings)
     try:
         yield

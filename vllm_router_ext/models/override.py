@@ -91,7 +91,7 @@ class RouterPrecisionMixin:
 
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs) -> None:
         from csrc_triton.tables import table_choice
-        from vllm_router_ext.layers.gate import register_gate_linear, router_settings_scope
+        from vllm_router_ext.layers.gate import router_settings_scope
 
         settings = resolve_router_settings(vllm_config)
         arch = (getattr(vllm_config.model_config.hf_config, "architectures", None) or [None])[0]
@@ -100,7 +100,6 @@ class RouterPrecisionMixin:
             settings = dataclasses.replace(settings, captures=True)  # our gates record
         if settings.owns_gates:
             table_choice()  # a bad VLLM_ROUTER_EXT_TABLE stops the start-up here, naming the allowed values
-            register_gate_linear(settings.model)
         for source, value in settings.overridden:
             logger.warning(
                 "vllm-router-ext: conflicting settings: %s from %s overrides %s from %s",
