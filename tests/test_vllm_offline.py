@@ -257,8 +257,8 @@ def test_mtp_draft_routes_with_the_targets_settings(tmp_path, run_offline, extra
     _check_gate_records(result, model, mode, model="draft")
     lines = [ln for ln in result["log"].splitlines() if "vllm-router-ext: router precision" in ln]
     assert len(lines) == 2, lines
-    assert any("1 gate(s) in DeepSeek-V2/V3 (Kimi-K2) (DeepseekV3ForCausalLM);" in ln for ln in lines)
-    assert any("1 gate(s) in DeepSeek-V2/V3 (Kimi-K2) (DeepSeekMTPModel);" in ln for ln in lines)
+    assert any("(class DeepseekV3ForCausalLM);" in ln for ln in lines)
+    assert any("1 gate(s) in " in ln and "(class DeepSeekMTP);" in ln for ln in lines)
     assert all(f"batch-invariant {'on' if bi else 'off'}" in ln for ln in lines)
 
 
@@ -284,4 +284,4 @@ def test_eagle_draft_head_routes_with_the_targets_precision(tmp_path, run_offlin
     _check_gate_records(result, model, "fp32")
     _check_gate_records(result, head, "fp32", model="draft")
     lines = [ln for ln in result["log"].splitlines() if "vllm-router-ext: router precision" in ln]
-    assert any("1 gate(s) in DeepSeek-V2/V3 (Kimi-K2) (EagleDeepSeekMTPModel);" in ln for ln in lines), lines
+    assert any("1 gate(s) in " in ln and "(class EagleDeepseekV3ForCausalLM);" in ln for ln in lines), lines

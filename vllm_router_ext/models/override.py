@@ -149,10 +149,11 @@ class RouterPrecisionMixin:
             if settings.precision is RouterPrecision.FP32:
                 weight_note += " (kept: the checkpoint's values are exactly bf16)" if kept_bf16 else ""
             logger.info(
-                "vllm-router-ext: %s; %d gate(s) in %s; weight %s; logits %s; implementation: %s",
+                "vllm-router-ext: %s; %d gate(s) in %s (class %s); weight %s; logits %s; implementation: %s",
                 settings.describe(),
                 len(group),
                 settings.model,
+                type(self).__name__,
                 weight_note,
                 "float32" if settings.precision.logits_dtype == torch.float32 else "model dtype",
                 describe_implementation(settings, group[0].weight),
