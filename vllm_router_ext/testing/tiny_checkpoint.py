@@ -198,12 +198,23 @@ FP8_BLOCK = 128
 
 
 def cpu_runs_fp8() -> bool:
-    """Whether vLLM's CPU build can run this layout here: its FP8 block-scaled linear kernels need
-    AMX tiles (Sapphire Rapids or newer); elsewhere it refuses the first FP8 linear layer."""
+    """Whether vLLM can run this layout on this CPU: its CPU build's FP8 block-scaled linear
+    kernel needs AMX tiles (Sapphire Rapids or newer); vLLM's CUDA wheel, imported on a CPU,
+    has no such kernel anywhere."""
     try:
-        return "amx_tile" in Path("/proc/cpuinfo").read_text(encoding="utf-8")
+        amx = "amx_tile" in Path("/proc/cpuinfo").read_text(encoding="utf-8")
     except OSError:
         return False
+    return amx and vllm_has_cpu_op("fp8_scaled_mm_cpu")
+
+
+def vllm_has_cpu_op(name: str) -> bool:
+    """Whether the installed vLLM registered the CPU kernel ``torch.ops._C.<name>``."""
+    try:
+        import vllm._C  # noqa: F401  (registers the ops; the CUDA wheel's fails without a GPU)
+    except Exception:  # noqa: BLE001
+        return False
+    return hasattr(torch.ops._C, name)
 
 
 def _is_fp8_linear(name: str) -> bool:
