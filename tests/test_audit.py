@@ -140,7 +140,7 @@ def test_clear_errors(tiny_model, tmp_path):
     cfg = json.loads((not_ds / "config.json").read_text(encoding="utf-8"))
     cfg.update(architectures=["LlamaForCausalLM"], model_type="llama")
     (not_ds / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(AuditError, match="not a DeepSeek-family checkpoint.*LlamaForCausalLM"):
+    with pytest.raises(AuditError, match="does not know the routing of model_type 'llama'.*LlamaForCausalLM.*supported: deepseek"):
         run_audit(not_ds, progress=False)
 
     with pytest.raises(AuditError, match="no config.json"):
@@ -150,14 +150,14 @@ def test_clear_errors(tiny_model, tmp_path):
     index = json.loads((missing / "model.safetensors.index.json").read_text(encoding="utf-8"))
     del index["weight_map"]["model.layers.1.mlp.gate.e_score_correction_bias"]
     (missing / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(AuditError, match="e_score_correction_bias' is not in the checkpoint"):
+    with pytest.raises(AuditError, match="no e_score_correction_bias .looked for model.layers.1.mlp.gate.e_score_correction_bias"):
         run_audit(missing, progress=False)
 
     wrong = _copy_checkpoint(tiny_model, tmp_path / "wrong")
     cfg = json.loads((wrong / "config.json").read_text(encoding="utf-8"))
     cfg["n_routed_experts"] = 32
     (wrong / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(AuditError, match=r"gate weight has shape \(16, 256\), config says \[32, 256\]"):
+    with pytest.raises(AuditError, match=r"router weight has shape \(16, 256\), config says \[32, 256\]"):
         run_audit(wrong, progress=False)
 
     bad_states = tmp_path / "states.pt"
@@ -228,3 +228,78 @@ def test_the_plot_has_integer_layer_ticks_and_a_y_axis_from_zero(tmp_path, layer
     else:
         assert 5 <= len(ticks) <= 21
     plt.close(fig)
+
+
+#: What vLLM's router does for each family preset: (scoring, choice, renormalised).
+FAMILY_ROUTING = {
+    "qwen3-moe": ("softmax", "greedy", True),
+    "qwen3-next": ("softmax", "greedy", True),
+    "mixtral": ("softmax", "greedy", True),
+    "gpt-oss": ("softmax", "greedy", True),
+    "llama4": ("sigmoid", "greedy", False),
+    "glm4-moe": ("sigmoid", "noaux_tc", True),
+    "minimax-m2": ("sigmoid", "noaux_tc", True),
+}
+
+
+@pytest.mark.parametrize("family", FAMILY_ROUTING)
+def test_audit_reads_each_familys_routers_and_routing(tmp_path, family):
+    """Each family's router tensors (``mlp.gate``, ``block_sparse_moe.gate``, gpt-oss's
+    ``mlp.router`` with its bias, Llama-4's ``feed_forward.router``) are found in every MoE layer,
+    routed as vLLM routes that family, and audited: fp32 logits at fp32's error, bf16's above."""
+    from safetensors.torch import load_file
+
+    from vllm_router_ext.testing.tiny_checkpoint import FAMILY_PRESETS, build_tiny_family
+
+    path = build_tiny_family(tmp_path / family, family)
+    preset = FAMILY_PRESETS[family]
+    experts = next(preset[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if k in preset)
+    tensors = {k: v for f in path.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    routers = sorted(
+        int(name.split(".")[2])
+        for name, t in tensors.items()
+        if name.endswith((".gate.weight", ".router.weight")) and tuple(t.shape) == (experts, 256)
+    )
+    result = run_audit(path, tokens=256, progress=False)
+    assert [int(i) for i in result["layers"]] == routers and routers
+    r = result["routing"]
+    assert (r["scoring_func"], r["topk_method"], r["renormalize"]) == FAMILY_ROUTING[family]
+    assert r["top_k"] == preset["num_experts_per_tok"]
+    o = result["overall"]
+    for label in ("fp32", "bf16-fp32out", "fp32 batch-invariant", "bf16-fp32out batch-invariant"):
+        assert o[label]["rel_err"] <= 1e-6 and o[label]["changed_pct"] == 0.0, label
+    assert 1e-4 <= o["bf16"]["rel_err"] <= 1e-2
+
+
+def test_each_routing_picks_what_the_familys_own_formula_picks():
+    """``select_experts`` under each family's config against the family's formula written out:
+    softmax then top-k (Qwen, renormalised or not), a softmax over the top-k logits (Mixtral,
+    gpt-oss), the sigmoid of the top-k logits (Llama-4), sigmoid + correction bias choosing and
+    the plain sigmoid weighting (GLM-4.5, MiniMax-M2)."""
+    from vllm_router_ext.ops.reference import RoutingConfig, select_experts
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    logits = torch.randn(64, 32, generator=g, dtype=torch.float64)
+    bias = torch.randn(32, generator=g, dtype=torch.float64) * 0.3
+
+    def check(cfg: dict, ids, weights, bias_=None):
+        got_ids, got_w = select_experts(logits, RoutingConfig.from_hf_config(cfg), bias_)
+        order = ids.argsort(-1)
+        assert torch.equal(got_ids, ids.gather(1, order))
+        torch.testing.assert_close(got_w, weights.gather(1, order), rtol=1e-12, atol=1e-12)
+
+    probs = logits.softmax(-1)
+    top = probs.topk(4, -1)
+    check({"model_type": "qwen2_moe", "num_experts_per_tok": 4, "norm_topk_prob": False}, top.indices, top.values)
+    norm = top.values / top.values.sum(-1, keepdim=True)
+    check({"model_type": "qwen3_moe", "num_experts_per_tok": 4, "norm_topk_prob": True}, top.indices, norm)
+    top_logits = logits.topk(2, -1)
+    for model_type in ("mixtral", "gpt_oss"):
+        check({"model_type": model_type, "num_experts_per_tok": 2}, top_logits.indices, top_logits.values.softmax(-1))
+    top1 = logits.topk(1, -1)
+    check({"model_type": "llama4_text", "num_experts_per_tok": 1}, top1.indices, top1.values.sigmoid())
+    chosen = (logits.sigmoid() + bias).topk(4, -1).indices
+    w = logits.sigmoid().gather(1, chosen)
+    for model_type, scale in (("glm4_moe", 2.5), ("minimax_m2", 1.0)):
+        cfg = {"model_type": model_type, "num_experts_per_tok": 4, "routed_scaling_factor": scale}
+        check(cfg, chosen, w / w.sum(-1, keepdim=True) * scale, bias)

@@ -3,14 +3,15 @@
     python -m vllm_router_ext.audit MODEL_DIR [--hidden-states FILE] [--tokens 4096] [--seed 0]
         [--device cpu|cuda] [--modes fp32,bf16-fp32out,bf16] [--no-batch-invariant] [--out DIR]
 
-Reads ``config.json`` and, through the safetensors index, only the ``*.mlp.gate.weight`` and
-``*.mlp.gate.e_score_correction_bias`` tensors, one MoE layer at a time (never the experts). For
-every mode it computes the logits with the plugin's own ``router_gemm`` on the chosen device,
-routes them the way vLLM routes that config (DeepSeek-V3 family: sigmoid + correction bias,
-``noaux_tc`` grouped top-k; DeepSeek-V2: softmax, ``greedy`` / ``group_limited_greedy``) and
-compares with an fp64 reference: relative error, % of tokens whose expert set changed, mean and
-p99 of |Δ routed weight| (L1 over a token's experts). Prints a per-layer and an overall table,
-writes ``audit.json`` and ``audit.png``.
+Reads ``config.json`` and, through the safetensors index, only each MoE layer's router tensors
+(its weight, a router bias, an ``e_score_correction_bias``), one layer at a time (never the
+experts). For every mode it computes the logits with the plugin's own ``router_gemm`` on the
+chosen device, routes them the way vLLM routes that family (``ops/reference.py``: DeepSeek's
+grouped top-k, sigmoid + correction bias for GLM-4.5 / MiniMax-M2, softmax top-k with or without
+renormalisation for Qwen / OLMoE / Mixtral / gpt-oss, Llama-4's sigmoid top-k) and compares with an
+fp64 reference: relative error, % of tokens whose expert set changed, mean and p99 of |Δ routed
+weight| (L1 over a token's experts). Prints a per-layer and an overall table, writes
+``audit.json``, ``audit.md`` and ``audit.png``.
 """
 
 from __future__ import annotations
@@ -25,17 +26,28 @@ from pathlib import Path
 import torch
 
 from vllm_router_ext.capture import FILE_RE, CaptureError, captures_in, describe_capture, read_capture
-from vllm_router_ext.families import FAMILIES
 from vllm_router_ext.ops import router_gemm
-from vllm_router_ext.ops.reference import RoutingConfig, changed_expert_sets, select_experts
+from vllm_router_ext.ops.reference import (
+    DEEPSEEK_MODEL_TYPES,
+    ROUTED_MODEL_TYPES,
+    RoutingConfig,
+    changed_expert_sets,
+    num_experts,
+    routing_fields,
+    select_experts,
+)
 from vllm_router_ext.ops.router_gemm import fp32_weight_terms
 from vllm_router_ext.plotting import PLOT_MISSING, pyplot
 
-#: The families whose routing the audit replays: DeepSeek's (grouped top-k, softmax or sigmoid).
-AUDITED_ARCHITECTURES = FAMILIES[0].architectures + FAMILIES[1].architectures
-
-DEEPSEEK_MODEL_TYPES = ("deepseek", "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa")
-GATE_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.weight$")
+#: A MoE layer's router weight, under each family's names (``model.layers.N.mlp.gate``,
+#: ``...block_sparse_moe.gate``, gpt-oss's ``...mlp.router``, Llama-4's ``...feed_forward.router``,
+#: a multimodal checkpoint's ``model.language_model.layers.N...``).
+GATE_RE = re.compile(
+    r"^(?:model\.|model\.language_model\.|language_model\.model\.)layers\.(\d+)\."
+    r"(mlp|block_sparse_moe|feed_forward)\.(gate|router)\.weight$"
+)
+#: Where a family keeps ``e_score_correction_bias``, relative to the MoE block.
+CORRECTION_BIAS_NAMES = ("{gate}.e_score_correction_bias", "e_score_correction_bias")
 ALL_MODES = ("fp32", "bf16-fp32out", "bf16")
 
 
@@ -48,10 +60,7 @@ class Checkpoint:
     root: Path
     config: dict
     weight_map: dict[str, str]  # tensor name -> file name
-
-    @property
-    def gate_layers(self) -> list[int]:
-        return sorted(int(m.group(1)) for name in self.weight_map if (m := GATE_RE.match(name)))
+    gates: dict[int, str]  # MoE layer -> its router's name, without ".weight"
 
     def tensor(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
@@ -68,15 +77,18 @@ def open_checkpoint(model_dir: str | Path) -> Checkpoint:
     if not cfg_path.is_file():
         raise AuditError(f"{root} has no config.json: not a Hugging Face checkpoint directory")
     config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    archs = config.get("architectures") or []
-    if not (set(archs) & set(AUDITED_ARCHITECTURES) or config.get("model_type") in DEEPSEEK_MODEL_TYPES):
+    model_type = routing_fields(config).get("model_type", config.get("model_type"))
+    if model_type not in ROUTED_MODEL_TYPES and config.get("model_type") not in ROUTED_MODEL_TYPES:
         raise AuditError(
-            f"{root} is not a DeepSeek-family checkpoint (architectures {archs}, model_type "
-            f"{config.get('model_type')!r}); supported architectures: {', '.join(AUDITED_ARCHITECTURES)}"
+            f"{root}: the audit does not know the routing of model_type {model_type!r} "
+            f"(architectures {config.get('architectures') or []}); supported: {', '.join(ROUTED_MODEL_TYPES)}"
         )
-    for key in ("hidden_size", "n_routed_experts", "num_experts_per_tok"):
-        if key not in config:
+    routing_cfg = routing_fields(config)
+    for key in ("hidden_size", "num_experts_per_tok"):
+        if key not in routing_cfg:
             raise AuditError(f"{cfg_path}: missing {key!r}, needed for routing")
+    if num_experts(config) is None:
+        raise AuditError(f"{cfg_path}: no expert count (n_routed_experts, num_experts or num_local_experts)")
     index = root / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
@@ -87,34 +99,46 @@ def open_checkpoint(model_dir: str | Path) -> Checkpoint:
             weight_map = {k: "model.safetensors" for k in f.keys()}
     else:
         raise AuditError(f"{root} has neither model.safetensors.index.json nor model.safetensors")
-    ckpt = Checkpoint(root, config, weight_map)
-    if not ckpt.gate_layers:
-        raise AuditError(f"{root}: no tensors named model.layers.N.mlp.gate.weight (no MoE layers found)")
-    return ckpt
+    gates = {int(m.group(1)): name[: -len(".weight")] for name in weight_map if (m := GATE_RE.match(name))}
+    if not gates:
+        raise AuditError(
+            f"{root}: no MoE router tensors (model.layers.N.mlp.gate.weight, ...block_sparse_moe.gate.weight, "
+            "...mlp.router.weight, ...feed_forward.router.weight)"
+        )
+    return Checkpoint(root, config, weight_map, dict(sorted(gates.items())))
 
 
-def load_gate(ckpt: Checkpoint, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cfg = ckpt.config
-    n, k = int(cfg["n_routed_experts"]), int(cfg["hidden_size"])
-    w = ckpt.tensor(f"model.layers.{layer}.mlp.gate.weight")
+@dataclass
+class Gate:
+    weight: torch.Tensor
+    correction_bias: torch.Tensor | None  # fp32: added to the scores that choose
+    linear_bias: torch.Tensor | None  # added to the logits (gpt-oss's router)
+
+
+def load_gate(ckpt: Checkpoint, layer: int, routing: RoutingConfig) -> Gate:
+    cfg = routing_fields(ckpt.config)
+    n, k = num_experts(ckpt.config), int(cfg["hidden_size"])
+    name = ckpt.gates[layer]
+    w = ckpt.tensor(f"{name}.weight")
     if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise AuditError(
-            f"layer {layer}: gate weight is stored as {w.dtype}; the audit needs an unquantized gate "
+            f"layer {layer}: router weight is stored as {w.dtype}; the audit needs an unquantized router "
             "(bfloat16, float16 or float32), as DeepSeek's FP8 releases store it"
         )
     if tuple(w.shape) != (n, k):
-        raise AuditError(
-            f"layer {layer}: gate weight has shape {tuple(w.shape)}, config says [{n}, {k}] "
-            "(n_routed_experts, hidden_size)"
-        )
-    bias = None
-    if cfg.get("topk_method") == "noaux_tc":
-        bias = ckpt.tensor(f"model.layers.{layer}.mlp.gate.e_score_correction_bias").float()
-        if tuple(bias.shape) != (n,):
-            raise AuditError(
-                f"layer {layer}: e_score_correction_bias has shape {tuple(bias.shape)}, expected [{n}]"
-            )
-    return w, bias
+        raise AuditError(f"layer {layer}: router weight has shape {tuple(w.shape)}, config says [{n}, {k}]")
+    correction = None
+    if routing.uses_correction_bias:
+        block, gate = name.rsplit(".", 1)
+        names = [f"{block}.{pattern.format(gate=gate)}" for pattern in CORRECTION_BIAS_NAMES]
+        found = next((x for x in names if x in ckpt.weight_map), None)
+        if found is None:
+            raise AuditError(f"layer {layer}: no e_score_correction_bias (looked for {', '.join(names)})")
+        correction = ckpt.tensor(found).float()
+        if tuple(correction.shape) != (n,):
+            raise AuditError(f"layer {layer}: {found} has shape {tuple(correction.shape)}, expected [{n}]")
+    linear = ckpt.tensor(f"{name}.bias").float() if f"{name}.bias" in ckpt.weight_map else None
+    return Gate(w, correction, linear)
 
 
 def random_hidden_states(tokens: int, k: int, seed: int) -> torch.Tensor:
@@ -186,8 +210,9 @@ def _routed_weight_delta(ids_a, w_a, ids_b, w_b, n: int) -> torch.Tensor:
     return (dense_a - dense_b).abs().sum(-1)
 
 
-def audit_layer(x, w, bias, routing: RoutingConfig, paths: list[tuple[str, str, bool]], device: str) -> dict:
-    ref = x.double() @ w.double().T
+def audit_layer(x, gate: Gate, routing: RoutingConfig, paths: list[tuple[str, str, bool]], device: str) -> dict:
+    w, bias, linear = gate.weight, gate.correction_bias, gate.linear_bias
+    ref = x.double() @ w.double().T + (0 if linear is None else linear.double())
     ref_bias = None if bias is None else bias.double()
     ref_ids, ref_w = select_experts(ref, routing, ref_bias)
     n = w.shape[0]
@@ -197,7 +222,12 @@ def audit_layer(x, w, bias, routing: RoutingConfig, paths: list[tuple[str, str, 
         weight = (w if mode == "fp32" else w.to(torch.bfloat16)).to(device)
         # as the gate layer serves an fp32 weight: with its bf16 terms (used at large M on CUDA)
         terms = fp32_weight_terms(weight) if weight.dtype == torch.float32 and not bi else None
-        logits = router_gemm(xd, weight, mode, batch_invariant=bi, weight_terms=terms).cpu()
+        if linear is None:
+            logits = router_gemm(xd, weight, mode, batch_invariant=bi, weight_terms=terms).cpu()
+        else:  # as the gate adds a router bias: to fp32 sums, then one rounding for bf16 logits
+            sums = router_gemm(xd, weight, "bf16-fp32out" if mode == "bf16" else mode, batch_invariant=bi,
+                               weight_terms=terms).cpu()
+            logits = (sums + linear).to(torch.bfloat16 if mode == "bf16" else torch.float32)
         # Route as vLLM does for this config, in fp32 (bf16 logits keep their rounding).
         ids, wts = select_experts(logits.float(), routing, None if bias is None else bias.float())
         delta = _routed_weight_delta(ids, wts, ref_ids, ref_w, n)
@@ -229,7 +259,7 @@ def run_audit(
         raise AuditError(f"unknown mode(s) {bad}; allowed: {', '.join(ALL_MODES)}")
     ckpt = open_checkpoint(model_dir)
     cfg = ckpt.config
-    k = int(cfg["hidden_size"])
+    k = int(routing_fields(cfg)["hidden_size"])
     routing = RoutingConfig.from_hf_config(cfg)
     paths = [(m, m, False) for m in modes]
     if batch_invariant:
@@ -239,23 +269,24 @@ def run_audit(
         if hidden_states is None
         else load_hidden_states(hidden_states, k)
     )
-    layers = ckpt.gate_layers
-    expected = range(int(cfg.get("first_k_dense_replace", 0)), int(cfg.get("num_hidden_layers", 0)))
-    missing = [i for i in expected if i not in layers and cfg.get("moe_layer_freq", 1) == 1]
-    if missing:
-        raise AuditError(f"{ckpt.root}: MoE layer(s) {missing} have no mlp.gate.weight in the checkpoint")
+    layers = list(ckpt.gates)
+    if cfg.get("model_type") in DEEPSEEK_MODEL_TYPES and cfg.get("moe_layer_freq", 1) == 1:
+        expected = range(int(cfg.get("first_k_dense_replace", 0)), int(cfg.get("num_hidden_layers", 0)))
+        missing = [i for i in expected if i not in layers]
+        if missing:
+            raise AuditError(f"{ckpt.root}: MoE layer(s) {missing} have no mlp.gate.weight in the checkpoint")
     from tqdm import tqdm
 
     per_layer = {}
     for layer in tqdm(layers, desc="auditing router layers", disable=not progress, file=sys.stderr):
-        w, bias = load_gate(ckpt, layer)
+        gate = load_gate(ckpt, layer, routing)
         if isinstance(shared, dict):
             if layer not in shared:
                 raise AuditError(f"hidden states have no tensor for layer {layer} (have {sorted(shared)})")
             x = shared[layer]
         else:
             x = shared
-        per_layer[layer] = audit_layer(x.to(torch.bfloat16), w, bias, routing, paths, device)
+        per_layer[layer] = audit_layer(x.to(torch.bfloat16), gate, routing, paths, device)
     labels = [p[0] for p in paths]
     overall = {
         label: {

@@ -1,8 +1,11 @@
-"""fp64 references: router logits and DeepSeek-family expert selection, as vLLM routes them.
+"""fp64 references: router logits and expert selection, as vLLM routes each MoE family.
 
-Used by the tests, the benchmark and the audit command. Routing follows vLLM 0.32's
-``grouped_topk`` (DeepSeek-V3 ``noaux_tc``: sigmoid + ``e_score_correction_bias``, group score =
-sum of the top-2 biased scores; DeepSeek-V2: softmax, ``greedy`` or ``group_limited_greedy``).
+Used by the tests, the benchmark and the audit command. Routing follows vLLM 0.32's routers:
+DeepSeek-V3 ``noaux_tc`` (sigmoid + ``e_score_correction_bias``, group score = sum of the top-2
+biased scores; GLM-4.5 and MiniMax-M2 the same on one group), DeepSeek-V2 (softmax, ``greedy`` or
+``group_limited_greedy``), softmax top-k with or without renormalisation (Qwen, OLMoE, Mixtral,
+gpt-oss: a softmax over the top-k logits is the renormalised one) and Llama-4's sigmoid of the
+top-k logits.
 """
 
 from __future__ import annotations
@@ -26,9 +29,36 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (o - ref).norm().item() / (denom if denom > 0 else 1.0)
 
 
+#: Softmax top-k families (``model_type``) and their renormalisation when the config has no
+#: ``norm_topk_prob``: Mixtral and gpt-oss always renormalise.
+SOFTMAX_TOP_K = {
+    "qwen2_moe": False, "qwen3_moe": False, "qwen3_vl_moe_text": False, "qwen3_next": False,
+    "olmoe": False, "mixtral": True, "gpt_oss": True,
+}  # fmt: skip
+#: Sigmoid + correction bias on one expert group, as DeepSeek-V3's noaux_tc.
+SIGMOID_BIAS = ("glm4_moe", "glm4_moe_lite", "minimax_m2")
+SIGMOID_TOP_K = ("llama4_text",)  # sigmoid of the top-k logits, no renormalisation
+DEEPSEEK_MODEL_TYPES = ("deepseek", "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa")
+ROUTED_MODEL_TYPES = DEEPSEEK_MODEL_TYPES + tuple(SOFTMAX_TOP_K) + SIGMOID_BIAS + SIGMOID_TOP_K
+_EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+
+
+def routing_fields(cfg: dict) -> dict:
+    """The config that holds the routing keys: a multimodal checkpoint's ``text_config``."""
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and not any(k in cfg for k in _EXPERT_KEYS):
+        return text
+    return cfg
+
+
+def num_experts(cfg: dict) -> int | None:
+    cfg = routing_fields(cfg)
+    return next((int(cfg[k]) for k in _EXPERT_KEYS if cfg.get(k)), None)
+
+
 @dataclass(frozen=True)
 class RoutingConfig:
-    """The routing fields of a DeepSeek-family HF config."""
+    """How vLLM picks a token's experts from the router logits."""
 
     top_k: int
     n_group: int = 1
@@ -38,10 +68,32 @@ class RoutingConfig:
     renormalize: bool = False
     routed_scaling_factor: float = 1.0
 
+    @property
+    def uses_correction_bias(self) -> bool:
+        return self.topk_method == "noaux_tc"
+
     @classmethod
     def from_hf_config(cls, cfg: dict) -> RoutingConfig:
+        """The routing of a Hugging Face config of one of :data:`ROUTED_MODEL_TYPES`."""
+        cfg = routing_fields(cfg)
+        top_k = int(cfg["num_experts_per_tok"])
+        model_type = cfg.get("model_type")
+        if model_type in SOFTMAX_TOP_K:
+            return cls(top_k, renormalize=bool(cfg.get("norm_topk_prob", SOFTMAX_TOP_K[model_type])))
+        if model_type in SIGMOID_TOP_K:
+            return cls(top_k, scoring_func="sigmoid")
+        if model_type in SIGMOID_BIAS:
+            return cls(
+                top_k,
+                n_group=int(cfg.get("n_group") or 1),
+                topk_group=int(cfg.get("topk_group") or 1),
+                scoring_func=cfg.get("scoring_func", "sigmoid"),
+                topk_method="noaux_tc" if cfg.get("use_routing_bias", True) else "greedy",
+                renormalize=bool(cfg.get("norm_topk_prob", True)),
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            )
         return cls(
-            top_k=int(cfg["num_experts_per_tok"]),
+            top_k=top_k,
             n_group=int(cfg.get("n_group") or 1),
             topk_group=int(cfg.get("topk_group") or 1),
             scoring_func=cfg.get("scoring_func", "softmax"),
