@@ -140,7 +140,10 @@ def test_clear_errors(tiny_model, tmp_path):
     cfg = json.loads((not_ds / "config.json").read_text(encoding="utf-8"))
     cfg.update(architectures=["LlamaForCausalLM"], model_type="llama")
     (not_ds / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(AuditError, match="does not know the routing of model_type 'llama'.*LlamaForCausalLM.*supported: deepseek"):
+    with pytest.raises(
+        AuditError,
+        match="does not know the routing of model_type 'llama'.*LlamaForCausalLM.*supported: deepseek",
+    ):
         run_audit(not_ds, progress=False)
 
     with pytest.raises(AuditError, match="no config.json"):
@@ -150,7 +153,10 @@ def test_clear_errors(tiny_model, tmp_path):
     index = json.loads((missing / "model.safetensors.index.json").read_text(encoding="utf-8"))
     del index["weight_map"]["model.layers.1.mlp.gate.e_score_correction_bias"]
     (missing / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(AuditError, match="no e_score_correction_bias .looked for model.layers.1.mlp.gate.e_score_correction_bias"):
+    with pytest.raises(
+        AuditError,
+        match="no e_score_correction_bias .looked for model.layers.1.mlp.gate.e_score_correction_bias",
+    ):
         run_audit(missing, progress=False)
 
     wrong = _copy_checkpoint(tiny_model, tmp_path / "wrong")
@@ -290,12 +296,20 @@ def test_each_routing_picks_what_the_familys_own_formula_picks():
 
     probs = logits.softmax(-1)
     top = probs.topk(4, -1)
-    check({"model_type": "qwen2_moe", "num_experts_per_tok": 4, "norm_topk_prob": False}, top.indices, top.values)
+    check(
+        {"model_type": "qwen2_moe", "num_experts_per_tok": 4, "norm_topk_prob": False},
+        top.indices,
+        top.values,
+    )
     norm = top.values / top.values.sum(-1, keepdim=True)
     check({"model_type": "qwen3_moe", "num_experts_per_tok": 4, "norm_topk_prob": True}, top.indices, norm)
     top_logits = logits.topk(2, -1)
     for model_type in ("mixtral", "gpt_oss"):
-        check({"model_type": model_type, "num_experts_per_tok": 2}, top_logits.indices, top_logits.values.softmax(-1))
+        check(
+            {"model_type": model_type, "num_experts_per_tok": 2},
+            top_logits.indices,
+            top_logits.values.softmax(-1),
+        )
     top1 = logits.topk(1, -1)
     check({"model_type": "llama4_text", "num_experts_per_tok": 1}, top1.indices, top1.values.sigmoid())
     chosen = (logits.sigmoid() + bias).topk(4, -1).indices

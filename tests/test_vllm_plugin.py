@@ -164,7 +164,7 @@ def test_gate_outside_the_override_is_stock_vllm(vllm_dist, gen):
 
 @pytest.mark.skipif(
     not vllm_has_cpu_op("convert_weight_packed"),
-    reason="vLLM's CUDA wheel on a CPU has no CPU GEMM kernels: a stock gate's forward runs on vLLM's CPU build",
+    reason="vLLM's CUDA wheel on a CPU has no CPU GEMM kernels: a stock gate runs on vLLM's CPU build",
 )
 def test_stock_gate_forward_is_vllms(vllm_dist, gen):
     gate = _gate()
@@ -289,6 +289,7 @@ def test_weight_storage_rules_at_load(vllm_dist, gen, precision, weight_kind, ex
 
 def test_cli_flags_in_vllm_serve_parser(vllm_dist):
     from vllm.engine.arg_utils import AsyncEngineArgs
+
     try:
         from vllm.entrypoints.common.cli_args import make_arg_parser  # vLLM 0.33
     except ImportError:

@@ -102,8 +102,8 @@ def open_checkpoint(model_dir: str | Path) -> Checkpoint:
     gates = {int(m.group(1)): name[: -len(".weight")] for name in weight_map if (m := GATE_RE.match(name))}
     if not gates:
         raise AuditError(
-            f"{root}: no MoE router tensors (model.layers.N.mlp.gate.weight, ...block_sparse_moe.gate.weight, "
-            "...mlp.router.weight, ...feed_forward.router.weight)"
+            f"{root}: no MoE router tensors (model.layers.N.mlp.gate.weight, "
+            "...block_sparse_moe.gate.weight, ...mlp.router.weight, ...feed_forward.router.weight)"
         )
     return Checkpoint(root, config, weight_map, dict(sorted(gates.items())))
 
@@ -210,7 +210,9 @@ def _routed_weight_delta(ids_a, w_a, ids_b, w_b, n: int) -> torch.Tensor:
     return (dense_a - dense_b).abs().sum(-1)
 
 
-def audit_layer(x, gate: Gate, routing: RoutingConfig, paths: list[tuple[str, str, bool]], device: str) -> dict:
+def audit_layer(
+    x, gate: Gate, routing: RoutingConfig, paths: list[tuple[str, str, bool]], device: str
+) -> dict:
     w, bias, linear = gate.weight, gate.correction_bias, gate.linear_bias
     ref = x.double() @ w.double().T + (0 if linear is None else linear.double())
     ref_bias = None if bias is None else bias.double()
@@ -225,8 +227,9 @@ def audit_layer(x, gate: Gate, routing: RoutingConfig, paths: list[tuple[str, st
         if linear is None:
             logits = router_gemm(xd, weight, mode, batch_invariant=bi, weight_terms=terms).cpu()
         else:  # as the gate adds a router bias: to fp32 sums, then one rounding for bf16 logits
-            sums = router_gemm(xd, weight, "bf16-fp32out" if mode == "bf16" else mode, batch_invariant=bi,
-                               weight_terms=terms).cpu()
+            sums = router_gemm(
+                xd, weight, "bf16-fp32out" if mode == "bf16" else mode, batch_invariant=bi, weight_terms=terms
+            ).cpu()
             logits = (sums + linear).to(torch.bfloat16 if mode == "bf16" else torch.float32)
         # Route as vLLM does for this config, in fp32 (bf16 logits keep their rounding).
         ids, wts = select_experts(logits.float(), routing, None if bias is None else bias.float())

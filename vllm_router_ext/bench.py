@@ -2,12 +2,13 @@
 
     python -m vllm_router_ext.bench [--out DIR] [--shapes DeepSeek-V3,...] [--m 1,16,...] [--skip-accuracy]
 
-Speed: every M of ``M_LIST`` on the five DeepSeek-family shapes; each method is captured R times
-back to back in one CUDA graph over R rotated weight/input copies (> 3x the L2), timed with
-``triton.testing.do_bench`` (median of replays) / R. Prints µs, the ratio to cuBLAS and to the
-peer kernel (TRT-LLM's ``dsv3RouterGemm`` through FlashInfer, or ``--peer FILE``; M <= 16 on the
-shapes it serves) measured in the same run; writes ``bench.json`` and ``bench.png`` (µs vs M,
-log-log; the plot needs the ``plot`` extra).
+Speed: every M of ``M_LIST`` on the five DeepSeek-family shapes (``--shapes`` also takes the
+other families' release gates: Qwen3, gpt-oss, Mixtral, Llama-4, GLM-4.5, MiniMax-M2); each
+method is captured R times back to back in one CUDA graph over R rotated weight/input copies
+(> 3x the L2), timed with ``triton.testing.do_bench`` (median of replays) / R. Prints µs, the
+ratio to cuBLAS and to the peer kernel (TRT-LLM's ``dsv3RouterGemm`` through FlashInfer, or
+``--peer FILE``; M <= 16 on the shapes it serves) measured in the same run; writes ``bench.json``
+and ``bench.png`` (µs vs M, log-log; the plot needs the ``plot`` extra).
 
 Accuracy: 8192 random tokens per shape (x ~ N(0,1), W ~ N(0,1/K), bf16): relative error vs an
 fp64 reference and the % of tokens whose expert set (the model's own routing) changes.
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from vllm_router_ext.benchmarking import (
     M_LIST,
     PEER,
+    SHAPE_BY_NAME,
     SHAPES,
     Peer,
     floor_us,
@@ -184,7 +186,7 @@ def run_accuracy(shapes, tokens: int = 8192, seed: int = 7) -> list[dict]:
         x = torch.randn(tokens, shape.k, device="cuda", generator=g).to(torch.bfloat16)
         w = (torch.randn(shape.n, shape.k, device="cuda", generator=g) / shape.k**0.5).to(torch.bfloat16)
         w32 = torch.randn(shape.n, shape.k, device="cuda", generator=g) / shape.k**0.5  # genuinely fp32
-        noaux = shape.routing.topk_method == "noaux_tc"
+        noaux = shape.routing.uses_correction_bias
         bias = (torch.randn(shape.n, device="cuda", generator=g) * 0.01) if noaux else None
         paths = {
             "ours fp32": (router_gemm(x, w, "fp32"), w),
@@ -302,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--shapes",
         metavar="NAMES",
         default=",".join(s.name for s in SHAPES),
-        help="comma-separated gate shapes, by model name (default: %(default)s)",
+        help=f"comma-separated gate shapes, by model name, from: {', '.join(SHAPE_BY_NAME)} "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--m",
@@ -340,11 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     names = args.shapes.split(",")
-    unknown = [n for n in names if n not in {s.name for s in SHAPES}]
+    unknown = [n for n in names if n not in SHAPE_BY_NAME]
     if unknown:
-        print(f"unknown shape(s) {unknown}; allowed: {[s.name for s in SHAPES]}", file=sys.stderr)
+        print(f"unknown shape(s) {unknown}; allowed: {list(SHAPE_BY_NAME)}", file=sys.stderr)
         return 2
-    shapes = [s for s in SHAPES if s.name in names]
+    shapes = [SHAPE_BY_NAME[n] for n in names]
     methods = args.methods.split(",")
     if unknown := [n for n in methods if n not in METHODS]:
         print(f"unknown method(s) {unknown}; allowed: {list(METHODS)}", file=sys.stderr)
@@ -360,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"environment": env}
     if not args.skip_accuracy:
         result["accuracy"] = run_accuracy(shapes)
-        result["fp32_by_m"] = run_fp32_by_m()
+        if SHAPES[0] in shapes:
+            result["fp32_by_m"] = run_fp32_by_m()
 
     def save(rows: list[dict]) -> None:  # after every shape: a cut-short run keeps what it measured
         result["speed"] = rows

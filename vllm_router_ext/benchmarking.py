@@ -29,7 +29,27 @@ SHAPES: tuple[RouterShape, ...] = (
     RouterShape("DeepSeek-V2-Lite", 2048, 64, RoutingConfig(6, 1, 1, "softmax", "greedy", False, 1.0)),
 )
 
-SHAPE_BY_NAME: dict[str, RouterShape] = {s.name: s for s in SHAPES}
+_SOFTMAX_RENORM = "softmax", "greedy", True
+_SIGMOID_BIAS = "sigmoid", "noaux_tc", True
+
+#: The gates of the other MoE families' releases (hidden size, experts, routing, from each
+#: release's config.json), timed and audited beside the DeepSeek family; the tuned table has
+#: GLM-4.5's shape (DeepSeek-V2's), the heuristic serves the rest.
+FAMILY_SHAPES: tuple[RouterShape, ...] = (
+    RouterShape("Qwen3-235B-A22B", 4096, 128, RoutingConfig(8, 1, 1, *_SOFTMAX_RENORM)),
+    RouterShape("Qwen3-30B-A3B", 2048, 128, RoutingConfig(8, 1, 1, *_SOFTMAX_RENORM)),
+    RouterShape("Qwen3-Next-80B", 2048, 512, RoutingConfig(10, 1, 1, *_SOFTMAX_RENORM)),
+    RouterShape("gpt-oss-120b", 2880, 128, RoutingConfig(4, 1, 1, *_SOFTMAX_RENORM)),
+    RouterShape("gpt-oss-20b", 2880, 32, RoutingConfig(4, 1, 1, *_SOFTMAX_RENORM)),
+    RouterShape("Mixtral-8x7B", 4096, 8, RoutingConfig(2, 1, 1, *_SOFTMAX_RENORM)),
+    RouterShape("Mixtral-8x22B", 6144, 8, RoutingConfig(2, 1, 1, *_SOFTMAX_RENORM)),
+    RouterShape("Llama-4-Scout", 5120, 16, RoutingConfig(1, 1, 1, "sigmoid")),
+    RouterShape("Llama-4-Maverick", 5120, 128, RoutingConfig(1, 1, 1, "sigmoid")),
+    RouterShape("GLM-4.5", 5120, 160, RoutingConfig(8, 1, 1, *_SIGMOID_BIAS, 2.5)),
+    RouterShape("MiniMax-M2", 3072, 256, RoutingConfig(8, 1, 1, *_SIGMOID_BIAS)),
+)
+
+SHAPE_BY_NAME: dict[str, RouterShape] = {s.name: s for s in SHAPES + FAMILY_SHAPES}
 
 M_LIST = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 #: Rotate weights/inputs until one graph replay touches this many bytes: several times the H200's
