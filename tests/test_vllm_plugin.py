@@ -77,6 +77,43 @@ def test_the_registry_loads_vllms_own_class_with_the_mixin_in_front(vllm_dist, a
     assert info[0] == info[1]  # vLLM's own model info (either may come from its json cache)
 
 
+#: Models in vLLM's router-building files that build no router themselves (dense variants).
+DENSE_IN_ROUTER_FILES = {
+    "GteModel", "GteNewModel", "GteNewForSequenceClassification", "PanguEmbeddedForCausalLM",
+}  # fmt: skip
+
+
+def test_every_model_vllm_builds_with_a_gate_linear_is_covered(vllm_dist):
+    """Every architecture of the installed vLLM whose model file builds a ``GateLinear`` has a
+    family (its ``auto``, its name on the precision line), and the registry loads vLLM's own
+    class with the settings mixin in front: the flag reaches its routers."""
+    import re
+    from pathlib import Path
+
+    import vllm
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    from vllm_router_ext.families import family_of
+    from vllm_router_ext.models.override import RouterPrecisionMixin
+
+    root = Path(vllm.__file__).parent / "model_executor" / "models"
+    files = {p.stem for p in root.glob("*.py") if re.search(r"\bGateLinear\(", p.read_text(encoding="utf-8"))}
+    assert len(files) >= 40
+    archs = sorted(a for a, (module, _) in _VLLM_MODELS.items() if module in files)
+    assert not [a for a in archs if a not in DENSE_IN_ROUTER_FILES and family_of(a) is None]
+    loaded = 0
+    for arch in archs:
+        try:
+            cls = ModelRegistry.models[arch].load_model_cls()
+        except ModuleNotFoundError as e:  # the CPU build's environment has no torchvision (vision models)
+            assert e.name == "torchvision", (arch, e)
+            continue
+        assert cls.__mro__[1] is RouterPrecisionMixin, arch
+        loaded += 1
+    assert loaded >= len(archs) - 3
+
+
 def test_gate_linear_is_ours_once_a_model_needs_it_and_a_second_replacement_is_named(vllm_dist):
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear

@@ -34,7 +34,7 @@ _NO_REFERENCE = "no reference modeling file read; vLLM's port builds {} gate"
 
 FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("DeepSeek-V2/V3 (Kimi-K2)", ("DeepseekForCausalLM", "DeepseekV2ForCausalLM",
-              "DeepseekV3ForCausalLM"), FP32, _REF.format("deepseek_v3", _IN_FP32),
+              "DeepseekV3ForCausalLM", "DeepseekV3BidirectionalModel"), FP32, _REF.format("deepseek_v3", _IN_FP32),
               drafts=("DeepSeekMTPModel", "EagleDeepSeekMTPModel")),
     MoeFamily("DeepSeek-V3.2 / GLM-5", ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"), FP32,
               _REF.format("deepseek_v3", _IN_FP32), drafts=("DeepseekV32MTPModel",)),
@@ -80,7 +80,8 @@ FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("GraniteMoE", ("GraniteMoeForCausalLM",), None,
               _REF.format("granitemoe", "F.linear(hidden_states, weight).float(): a model-dtype GEMM")),
     MoeFamily("DBRX", ("DbrxForCausalLM",), None, _REF.format("dbrx", _LINEAR)),
-    MoeFamily("Jamba", ("JambaForCausalLM",), None, _REF.format("jamba", _LINEAR)),
+    MoeFamily("Jamba", ("JambaForCausalLM", "JambaForSequenceClassification"), None,
+              _REF.format("jamba", _LINEAR)),
     MoeFamily("Cohere2-MoE", ("Cohere2MoeForCausalLM",), None, _REF.format("cohere2_moe", _IN_MODEL_DTYPE)),
     MoeFamily("LFM2-MoE", ("Lfm2MoeForCausalLM",), None, _REF.format("lfm2_moe", _IN_MODEL_DTYPE)),
     MoeFamily("Laguna", ("LagunaForCausalLM",), None,
@@ -97,6 +98,8 @@ FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("K2-Horizon", ("K2HorizonForCausalLM",), None, _NO_REFERENCE.format("a model-dtype")),
     MoeFamily("Moondream3", ("Moondream3ForCausalLM", "HfMoondream"), None,
               _NO_REFERENCE.format("a model-dtype")),
+    MoeFamily("AliceAI", ("AliceAIForCausalLM",), None, _NO_REFERENCE.format("a model-dtype")),
+    MoeFamily("Nomic-BERT-MoE", ("NomicBertModel",), None, _NO_REFERENCE.format("a model-dtype")),
     MoeFamily("Intern-S1-Pro / S2", ("InternS1ProForConditionalGeneration",
               "InternS2MobiusForConditionalGeneration"), None, _NO_REFERENCE.format("a model-dtype"),
               drafts=("InternS2MobiusMTP",)),
