@@ -86,6 +86,7 @@ def checkpoints(tmp_path_factory):
         ("llama4", "fp32"),
         ("glm4-moe", "auto"),
         ("glm4-moe", "bf16-fp32out"),
+        ("qwen3-next", "fp32"),
     ],
 )
 def test_each_family_serves_with_the_flag_and_routes_like_fp64(checkpoints, run_offline, family, mode):

@@ -34,7 +34,8 @@ _NO_REFERENCE = "no reference modeling file read; vLLM's port builds {} gate"
 
 FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("DeepSeek-V2/V3 (Kimi-K2)", ("DeepseekForCausalLM", "DeepseekV2ForCausalLM",
-              "DeepseekV3ForCausalLM", "DeepseekV3BidirectionalModel"), FP32, _REF.format("deepseek_v3", _IN_FP32),
+              "DeepseekV3ForCausalLM", "DeepseekV3BidirectionalModel"), FP32,
+              _REF.format("deepseek_v3", _IN_FP32),
               drafts=("DeepSeekMTPModel", "EagleDeepSeekMTPModel")),
     MoeFamily("DeepSeek-V3.2 / GLM-5", ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"), FP32,
               _REF.format("deepseek_v3", _IN_FP32), drafts=("DeepseekV32MTPModel",)),

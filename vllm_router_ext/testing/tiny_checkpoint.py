@@ -385,8 +385,8 @@ FAMILY_PRESETS: dict[str, dict] = {
     "qwen3-next": dict(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], intermediate_size=512,
                        moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=32,
                        num_experts_per_tok=4, norm_topk_prob=True, full_attention_interval=2,
-                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
-                       linear_value_head_dim=32),
+                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=128,
+                       linear_value_head_dim=128),
 }  # fmt: skip
 
 
