@@ -108,3 +108,32 @@ def test_each_family_serves_with_the_flag_and_routes_like_fp64(checkpoints, run_
     _check(result, expect, FAMILY_PRESETS[family]["num_experts_per_tok"], path)
     lines = [ln for ln in result["log"].splitlines() if "vllm-router-ext: router precision" in ln]
     assert len(lines) == 1 and family_of(arch).name in lines[0] and arch in lines[0], lines
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt-oss"])
+def test_a_capture_of_another_family_holds_what_its_routers_saw_and_the_audit_reads_it(
+    checkpoints, run_offline, tmp_path, family
+):
+    """``--router-capture`` on a family whose routers are not ``mlp.gate`` (Mixtral's
+    ``block_sparse_moe.gate``, gpt-oss's ``mlp.router``): one row set per MoE layer, exactly what
+    the router saw and returned, and the audit routes that capture like the family."""
+    from safetensors.torch import load_file
+
+    from vllm_router_ext.audit import run_audit
+
+    path = checkpoints(family)
+    capture = tmp_path / "capture"
+    extra = {"router_precision": "fp32", "router_capture_dir": str(capture), "router_capture_tokens": 12}
+    result = run_offline(path, additional_config=extra)
+    data = load_file(str(capture / "router-capture-1-dp0.safetensors"))
+    gates = [g["name"] for g in result["gates"][0]]
+    layers = sorted(n.split(".")[2] for n in gates)
+    assert sorted(k for k in data if k.startswith("layers.")) == [f"layers.{i}" for i in layers]
+    for name in gates:
+        seen = [r for r in result["records"] if r["kind"] == "gate" and r["name"] == name]
+        layer = name.split(".")[2]
+        assert torch.equal(data[f"layers.{layer}"], torch.cat([r["x"] for r in seen])[:12])
+        assert torch.equal(data[f"logits.{layer}"], torch.cat([r["logits"] for r in seen])[:12])
+    audit = run_audit(path, hidden_states=capture, progress=False)
+    assert audit["tokens"] == 12 and sorted(audit["layers"]) == layers
+    assert audit["overall"]["fp32"]["rel_err"] <= 1e-6 and audit["overall"]["fp32"]["changed_pct"] == 0.0

@@ -67,7 +67,9 @@ ENGINE_STOPPED = "the engine stopped before the budget was reached"
 _GiB = 1 << 30
 _DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 FILE_RE = re.compile(r"^(router-capture-(\d+)-dp\d+)\.(?:safetensors|json)$")
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
+#: The decoder layer of a router, under any family's names (``model.layers.N.mlp.gate``,
+#: ``...block_sparse_moe.gate``, ``...feed_forward.router``, DBRX's ``transformer.blocks.N...``).
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")
 
 
 class CaptureError(ValueError):
