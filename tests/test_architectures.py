@@ -147,7 +147,8 @@ def test_the_audit_reads_only_the_gates_of_an_fp8_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("mode", ["auto", "fp32"])
 @pytest.mark.parametrize(
-    "family", ["qwen3-moe", "mixtral", "gpt-oss", "llama4", "glm4-moe", "minimax-m2", "qwen3-next"]
+    "family",
+    ["qwen3-moe", "mixtral", "gpt-oss", "llama4", "glm4-moe", "minimax-m2", "ernie4.5-moe", "qwen3-next"],
 )
 def test_each_family_model_builds_its_routers_at_the_setting(vllm_dist, tmp_path, gen, family, mode):
     """The whole model of each other family, built through the registry's override class as

@@ -13,7 +13,7 @@ import pytest
 import torch
 from near_tie import build_near_tie_checkpoint
 
-from vllm_router_ext.audit import AuditError, Checkpoint, run_audit
+from vllm_router_ext.audit import AuditError, Checkpoint, open_checkpoint, run_audit
 from vllm_router_ext.plotting import PLOT_MISSING
 
 LABELS = ["fp32", "bf16-fp32out", "bf16", "fp32 batch-invariant", "bf16-fp32out batch-invariant"]
@@ -245,6 +245,7 @@ FAMILY_ROUTING = {
     "llama4": ("sigmoid", "greedy", False),
     "glm4-moe": ("sigmoid", "noaux_tc", True),
     "minimax-m2": ("sigmoid", "noaux_tc", True),
+    "ernie4.5-moe": ("softmax", "noaux_tc", True),
 }
 
 
@@ -259,7 +260,11 @@ def test_audit_reads_each_familys_routers_and_routing(tmp_path, family):
 
     path = build_tiny_family(tmp_path / family, family)
     preset = FAMILY_PRESETS[family]
-    experts = next(preset[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if k in preset)
+    experts = next(
+        preset[k]
+        for k in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+        if k in preset
+    )
     tensors = {k: v for f in path.glob("*.safetensors") for k, v in load_file(str(f)).items()}
     routers = sorted(
         int(name.split(".")[2])
@@ -270,10 +275,19 @@ def test_audit_reads_each_familys_routers_and_routing(tmp_path, family):
     assert [int(i) for i in result["layers"]] == routers and routers
     r = result["routing"]
     assert (r["scoring_func"], r["topk_method"], r["renormalize"]) == FAMILY_ROUTING[family]
-    assert r["top_k"] == preset["num_experts_per_tok"]
+    assert r["top_k"] == preset.get("num_experts_per_tok", preset.get("moe_k"))
     o = result["overall"]
-    for label in ("fp32", "bf16-fp32out", "fp32 batch-invariant", "bf16-fp32out batch-invariant"):
+    # ERNIE-4.5 keeps its router weight in fp32: only the fp32 mode reads it unrounded.
+    weights = [tensors[f"{name}.weight"] for name in open_checkpoint(path).gates.values()]
+    exact = all(torch.equal(w, w.bfloat16().to(w.dtype)) for w in weights)
+    assert exact == (family != "ernie4.5-moe")
+    for label in ("fp32", "fp32 batch-invariant"):
         assert o[label]["rel_err"] <= 1e-6 and o[label]["changed_pct"] == 0.0, label
+    for label in ("bf16-fp32out", "bf16-fp32out batch-invariant"):
+        if exact:
+            assert o[label]["rel_err"] <= 1e-6 and o[label]["changed_pct"] == 0.0, label
+        else:
+            assert 1e-4 <= o[label]["rel_err"] <= 1e-2, label
     assert 1e-4 <= o["bf16"]["rel_err"] <= 1e-2
 
 
@@ -281,7 +295,7 @@ def test_each_routing_picks_what_the_familys_own_formula_picks():
     """``select_experts`` under each family's config against the family's formula written out:
     softmax then top-k (Qwen, renormalised or not), a softmax over the top-k logits (Mixtral,
     gpt-oss), the sigmoid of the top-k logits (Llama-4), sigmoid + correction bias choosing and
-    the plain sigmoid weighting (GLM-4.5, MiniMax-M2)."""
+    the plain sigmoid weighting (GLM-4.5, MiniMax-M2), softmax scores + bias choosing (ERNIE-4.5)."""
     from vllm_router_ext.ops.reference import RoutingConfig, select_experts
 
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
@@ -317,3 +331,6 @@ def test_each_routing_picks_what_the_familys_own_formula_picks():
     for model_type, scale in (("glm4_moe", 2.5), ("minimax_m2", 1.0)):
         cfg = {"model_type": model_type, "num_experts_per_tok": 4, "routed_scaling_factor": scale}
         check(cfg, chosen, w / w.sum(-1, keepdim=True) * scale, bias)
+    chosen = (probs + bias).topk(4, -1).indices  # ERNIE-4.5: softmax scores + bias choose
+    w = probs.gather(1, chosen)
+    check({"model_type": "ernie4_5_moe", "moe_k": 4}, chosen, w / w.sum(-1, keepdim=True), bias)

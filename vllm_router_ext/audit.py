@@ -8,7 +8,8 @@ Reads ``config.json`` and, through the safetensors index, only each MoE layer's 
 experts). For every mode it computes the logits with the plugin's own ``router_gemm`` on the
 chosen device, routes them the way vLLM routes that family (``ops/reference.py``: DeepSeek's
 grouped top-k, sigmoid + correction bias for GLM-4.5 / MiniMax-M2, softmax top-k with or without
-renormalisation for Qwen / OLMoE / Mixtral / gpt-oss, Llama-4's sigmoid top-k) and compares with an
+renormalisation for Qwen / OLMoE / Mixtral / gpt-oss, ERNIE-4.5's softmax + correction bias,
+Llama-4's sigmoid top-k) and compares with an
 fp64 reference: relative error, % of tokens whose expert set changed, mean and p99 of |Δ routed
 weight| (L1 over a token's experts). Prints a per-layer and an overall table, writes
 ``audit.json``, ``audit.md`` and ``audit.png``.
@@ -32,6 +33,7 @@ from vllm_router_ext.ops.reference import (
     ROUTED_MODEL_TYPES,
     RoutingConfig,
     changed_expert_sets,
+    experts_per_token,
     num_experts,
     routing_fields,
     select_experts,
@@ -46,8 +48,11 @@ GATE_RE = re.compile(
     r"^(?:model\.|model\.language_model\.|language_model\.model\.)layers\.(\d+)\."
     r"(mlp|block_sparse_moe|feed_forward)\.(gate|router)\.weight$"
 )
-#: Where a family keeps ``e_score_correction_bias``, relative to the MoE block.
-CORRECTION_BIAS_NAMES = ("{gate}.e_score_correction_bias", "e_score_correction_bias")
+#: Where a family keeps ``e_score_correction_bias``, relative to the MoE block (ERNIE-4.5's
+#: ``moe_statics`` holds it as [1, experts]).
+CORRECTION_BIAS_NAMES = (
+    "{gate}.e_score_correction_bias", "e_score_correction_bias", "moe_statics.e_score_correction_bias",
+)  # fmt: skip
 ALL_MODES = ("fp32", "bf16-fp32out", "bf16")
 
 
@@ -83,12 +88,15 @@ def open_checkpoint(model_dir: str | Path) -> Checkpoint:
             f"{root}: the audit does not know the routing of model_type {model_type!r} "
             f"(architectures {config.get('architectures') or []}); supported: {', '.join(ROUTED_MODEL_TYPES)}"
         )
-    routing_cfg = routing_fields(config)
-    for key in ("hidden_size", "num_experts_per_tok"):
-        if key not in routing_cfg:
-            raise AuditError(f"{cfg_path}: missing {key!r}, needed for routing")
+    if "hidden_size" not in routing_fields(config):
+        raise AuditError(f"{cfg_path}: missing 'hidden_size', needed for routing")
+    if experts_per_token(config) is None:
+        raise AuditError(f"{cfg_path}: no experts per token (num_experts_per_tok or moe_k)")
     if num_experts(config) is None:
-        raise AuditError(f"{cfg_path}: no expert count (n_routed_experts, num_experts or num_local_experts)")
+        raise AuditError(
+            f"{cfg_path}: no expert count (n_routed_experts, num_experts, num_local_experts or "
+            "moe_num_experts)"
+        )
     index = root / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
@@ -135,6 +143,8 @@ def load_gate(ckpt: Checkpoint, layer: int, routing: RoutingConfig) -> Gate:
         if found is None:
             raise AuditError(f"layer {layer}: no e_score_correction_bias (looked for {', '.join(names)})")
         correction = ckpt.tensor(found).float()
+        if correction.numel() == n:
+            correction = correction.reshape(n)
         if tuple(correction.shape) != (n,):
             raise AuditError(f"layer {layer}: {found} has shape {tuple(correction.shape)}, expected [{n}]")
     linear = ckpt.tensor(f"{name}.bias").float() if f"{name}.bias" in ckpt.weight_map else None

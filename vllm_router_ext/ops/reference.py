@@ -4,8 +4,8 @@ Used by the tests, the benchmark and the audit command. Routing follows vLLM 0.3
 DeepSeek-V3 ``noaux_tc`` (sigmoid + ``e_score_correction_bias``, group score = sum of the top-2
 biased scores; GLM-4.5 and MiniMax-M2 the same on one group), DeepSeek-V2 (softmax, ``greedy`` or
 ``group_limited_greedy``), softmax top-k with or without renormalisation (Qwen, OLMoE, Mixtral,
-gpt-oss: a softmax over the top-k logits is the renormalised one) and Llama-4's sigmoid of the
-top-k logits.
+gpt-oss: a softmax over the top-k logits is the renormalised one), ERNIE-4.5's softmax scores that
+choose with a correction bias, and Llama-4's sigmoid of the top-k logits.
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ SOFTMAX_TOP_K = {
 }  # fmt: skip
 #: Sigmoid + correction bias on one expert group, as DeepSeek-V3's noaux_tc.
 SIGMOID_BIAS = ("glm4_moe", "glm4_moe_lite", "minimax_m2")
+SOFTMAX_BIAS = ("ernie4_5_moe",)  # softmax scores + correction bias choose, renormalised
 SIGMOID_TOP_K = ("llama4_text",)  # sigmoid of the top-k logits, no renormalisation
 DEEPSEEK_MODEL_TYPES = ("deepseek", "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa")
-ROUTED_MODEL_TYPES = DEEPSEEK_MODEL_TYPES + tuple(SOFTMAX_TOP_K) + SIGMOID_BIAS + SIGMOID_TOP_K
-_EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+ROUTED_MODEL_TYPES = DEEPSEEK_MODEL_TYPES + tuple(SOFTMAX_TOP_K) + SIGMOID_BIAS + SOFTMAX_BIAS + SIGMOID_TOP_K
+_EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+_TOP_K_KEYS = ("num_experts_per_tok", "moe_k")
 
 
 def routing_fields(cfg: dict) -> dict:
@@ -54,6 +56,11 @@ def routing_fields(cfg: dict) -> dict:
 def num_experts(cfg: dict) -> int | None:
     cfg = routing_fields(cfg)
     return next((int(cfg[k]) for k in _EXPERT_KEYS if cfg.get(k)), None)
+
+
+def experts_per_token(cfg: dict) -> int | None:
+    cfg = routing_fields(cfg)
+    return next((int(cfg[k]) for k in _TOP_K_KEYS if cfg.get(k)), None)
 
 
 @dataclass(frozen=True)
@@ -75,11 +82,15 @@ class RoutingConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict) -> RoutingConfig:
         """The routing of a Hugging Face config of one of :data:`ROUTED_MODEL_TYPES`."""
+        top_k = experts_per_token(cfg)
+        if top_k is None:
+            raise ValueError(f"no experts per token ({' or '.join(_TOP_K_KEYS)}) in the config")
         cfg = routing_fields(cfg)
-        top_k = int(cfg["num_experts_per_tok"])
         model_type = cfg.get("model_type")
         if model_type in SOFTMAX_TOP_K:
             return cls(top_k, renormalize=bool(cfg.get("norm_topk_prob", SOFTMAX_TOP_K[model_type])))
+        if model_type in SOFTMAX_BIAS:
+            return cls(top_k, topk_method="noaux_tc", renormalize=True)
         if model_type in SIGMOID_TOP_K:
             return cls(top_k, scoring_func="sigmoid")
         if model_type in SIGMOID_BIAS:
