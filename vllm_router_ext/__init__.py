@@ -1,4 +1,4 @@
-"""vllm-router-ext: a vLLM plugin that owns the MoE router GEMM of DeepSeek-family models.
+"""vllm-router-ext: a vLLM plugin that owns the MoE router GEMM of every model vLLM builds with GateLinear.
 
 Importing this package does no vLLM, GPU or logging work; vLLM calls :func:`register` through the
 ``vllm.general_plugins`` entry point in every process it starts.

@@ -1,9 +1,10 @@
-"""Build a tiny random DeepSeek-family checkpoint and a byte-level BPE tokenizer, fully offline.
+"""Build tiny random MoE checkpoints (DeepSeek family, other families) and a tokenizer, offline.
 
-The checkpoint uses DeepSeek's original tensor names (what vLLM's ``deepseek_v2.py`` loads) and
-the MLA sizes vLLM's CPU backends accept (``kv_lora_rank + qk_rope_head_dim == 576``). The
-routing is DeepSeek-V3's on 16 experts, or that of a real release (``--model``, with its expert
-count); ``--fp8`` writes DeepSeek-V3's FP8 block-quantized layout.
+A DeepSeek-family checkpoint uses DeepSeek's original tensor names (what vLLM's ``deepseek_v2.py``
+loads) and the MLA sizes vLLM's CPU backends accept (``kv_lora_rank + qk_rope_head_dim == 576``).
+The routing is DeepSeek-V3's on 16 experts, or that of a real release (``--model``, with its expert
+count); ``--fp8`` writes DeepSeek-V3's FP8 block-quantized layout. The other families
+(:func:`build_tiny_family`) are written by transformers from their own configs.
 
     python -m vllm_router_ext.testing.tiny_checkpoint OUT_DIR [--model kimi-k2] [--fp8]
         [--gate-dtype float32] [--seed 0]
