@@ -9,10 +9,9 @@ experts). For every mode it computes the logits with the plugin's own ``router_g
 chosen device, routes them the way vLLM routes that family (``ops/reference.py``: DeepSeek's
 grouped top-k, sigmoid + correction bias for GLM-4.5 / MiniMax-M2, softmax top-k with or without
 renormalisation for Qwen / OLMoE / Mixtral / gpt-oss, ERNIE-4.5's softmax + correction bias,
-Llama-4's sigmoid top-k) and compares with an
-fp64 reference: relative error, % of tokens whose expert set changed, mean and p99 of |Δ routed
-weight| (L1 over a token's experts). Prints a per-layer and an overall table, writes
-``audit.json``, ``audit.md`` and ``audit.png``.
+Llama-4's sigmoid top-k) and compares with an fp64 reference: relative error, % of tokens whose
+expert set changed, mean and p99 of |Δ routed weight| (L1 over a token's experts). Prints a
+per-layer and an overall table, writes ``audit.json``, ``audit.md`` and ``audit.png``.
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ def open_checkpoint(model_dir: str | Path) -> Checkpoint:
         raise AuditError(f"{root} has no config.json: not a Hugging Face checkpoint directory")
     config = json.loads(cfg_path.read_text(encoding="utf-8"))
     model_type = routing_fields(config).get("model_type", config.get("model_type"))
-    if model_type not in ROUTED_MODEL_TYPES and config.get("model_type") not in ROUTED_MODEL_TYPES:
+    if model_type not in ROUTED_MODEL_TYPES:
         raise AuditError(
             f"{root}: the audit does not know the routing of model_type {model_type!r} "
             f"(architectures {config.get('architectures') or []}); supported: {', '.join(ROUTED_MODEL_TYPES)}"
