@@ -270,6 +270,25 @@ def test_gate_logits_inside_the_served_model_match_fp64(servers, spec, tmp_path)
             assert same[~ties].all() and ties.float().mean() <= 0.05, (name, int((~same).sum()))
 
 
+@pytest.mark.parametrize("spec", ["v3-fp32"])
+def test_step_timer_times_the_decode_graph_of_the_batch(servers, spec):
+    """The end-to-end benchmark's GPU step time: 8 requests decoding together replay vLLM's FULL
+    graph for 8 tokens most; its replays take GPU time, and fewer tokens' graphs take no more."""
+    server = servers.get(spec)
+    server.rpc("router_steps_start")
+    _concurrently(lambda p: _complete(server, p, max_tokens=48), PROMPTS)
+    report = server.rpc("router_steps_stop")[0]
+    top = report["graphs"][0]
+    assert top["graph"] == "FULL:8" and top["replays"] >= 30, report
+    assert 0 < top["min_us"] <= top["median_us"] < 50_000, report
+    assert report["untimed"] == 0
+    server.rpc("router_steps_start")
+    _complete(server, PROMPTS[0], max_tokens=48)
+    alone = server.rpc("router_steps_stop")[0]["graphs"][0]
+    assert alone["graph"] == "FULL:1" and alone["replays"] >= 40, alone
+    assert alone["median_us"] <= top["median_us"] * 1.2, (alone, top)
+
+
 @pytest.mark.parametrize("spec", ["v3-batch-invariant"])
 def test_batch_invariant_tokens_equal_alone_and_in_batches(servers, spec):
     server = servers.get(spec)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from vllm_router_ext.layers.gate import RouterGateLinear
+from vllm_router_ext.testing.step_timer import StepTimer
 
 ROWS = 4096  # rows kept per gate
 CALLS = 8192  # batch sizes kept per gate
@@ -113,8 +114,8 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-class GateTap:
-    """Worker methods (vLLM mixes this class into its worker)."""
+class GateTap(StepTimer):
+    """Worker methods (vLLM mixes this class into its worker); the step timer's too."""
 
     def router_tap_start(self) -> dict:
         gates = _gates(self)
