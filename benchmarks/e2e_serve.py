@@ -9,10 +9,13 @@ Models: slices of the real ones with random weights (hidden 7168, DeepSeek's MLA
 model, so a cost shows more, not less). Every server of a run starts together on the one GPU;
 then, per round and concurrency, the servers are measured one at a time, the modes taking turns
 in a rotated order, with vLLM's own serving benchmark (``vllm bench serve``: random prompts, EOS
-ignored). Decode: ``c`` concurrent clients, 2c requests (at least 4) of 16 prompt tokens and ``--max-tokens``
-new ones: output tokens/s and median time per output token (TPOT); TTFT: 256-token prompts one at
-a time, the median. Writes ``e2e.json`` and ``e2e.png`` and prints a table of medians over rounds
-with each mode's ratio to ``bf16`` (stock vLLM).
+ignored). Decode: ``c`` concurrent clients, 4c requests (at least 6) of 16 prompt tokens and
+``--max-tokens`` new ones: output tokens/s, median time per output token (TPOT), and the GPU time
+of one decode step (``testing.step_timer``: the median replay of the most replayed CUDA graph,
+vLLM's FULL graph for the batch). TTFT: 256-token prompts one at a time, the median. Ratios are
+to ``bf16`` (stock vLLM) of the same round, then the median over rounds: host noise that drifts
+between rounds cancels. Writes ``e2e.json`` and ``e2e.png``, prints the table and the verdict on
+the throughput target (``fp32`` >= 0.99x stock tok/s).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from vllm_router_ext.testing.server import Server, precision_lines, start_server
 from vllm_router_ext.testing.tiny_checkpoint import GPU_MLA_SIZES, build_tiny_model
 
 MODES = ("bf16", "bf16-fp32out", "fp32")  # bf16: stock vLLM's logits
+TIMER = "vllm_router_ext.testing.step_timer.StepTimer"
 SLICE = {
     **GPU_MLA_SIZES,
     "hidden_size": 7168,
@@ -83,7 +87,8 @@ def start_all(cases: list[tuple[str, str]], root: Path) -> dict[tuple[str, str, 
             work.mkdir()
             args = ["--router-precision", mode, "--gpu-memory-utilization", "0.04",
                     "--kv-cache-memory-bytes", str(1 << 30), "--max-num-seqs", "64"]  # fmt: skip
-            env = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+            args += ["--worker-extension-cls", TIMER]
+            env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "VLLM_SERVER_DEV_MODE": "1"}
             if weights == "fp8":
                 env["VLLM_USE_DEEP_GEMM"] = "0"  # DeepGEMM's first start JIT-compiles for minutes
             servers[(shape, weights, mode)] = start_server(model, work, *args, env=env, eager=False)
@@ -115,9 +120,13 @@ def run(args: argparse.Namespace) -> dict:
             values = {"ttft_ms": r["median_ttft_ms"]}
         else:
             c = int(metric)
-            r = bench_serve(server, model, clients=c, prompts=max(4, 2 * c), input_len=16,
+            server.rpc("router_steps_start")
+            r = bench_serve(server, model, clients=c, prompts=max(6, 4 * c), input_len=16,
                             output_len=args.max_tokens, seed=seed)  # fmt: skip
-            values = {f"tok_s@{c}": r["output_throughput"], f"tpot_ms@{c}": r["median_tpot_ms"]}
+            step = server.rpc("router_steps_stop")[0]["graphs"][0]  # the decode graph: most replayed
+            values = {f"tok_s@{c}": r["output_throughput"], f"tpot_ms@{c}": r["median_tpot_ms"],
+                      f"gpu_step_us@{c}": step["median_us"]}  # fmt: skip
+            print(f"{key} c={c}: decode graph {step['graph']}, {step['replays']} replays", flush=True)
         for name, value in values.items():
             row = {"round": rnd, "shape": key[0], "weights": key[1], "mode": key[2], "metric": name,
                    "value": value}  # fmt: skip
@@ -144,37 +153,62 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def summary(result: dict) -> list[dict]:
-    """Median over rounds per (shape, weights, metric, mode), with the ratio to bf16."""
-    groups: dict[tuple, list[float]] = {}
+    """Per (shape, weights, metric, mode): the median over rounds, and the ratio to bf16 measured
+    in the same round (the modes ran back to back), its median and range over rounds."""
+    groups: dict[tuple, dict[int, float]] = {}
     for r in result["rows"]:
-        groups.setdefault((r["shape"], r["weights"], r["metric"], r["mode"]), []).append(r["value"])
+        groups.setdefault((r["shape"], r["weights"], r["metric"], r["mode"]), {})[r["round"]] = r["value"]
     out = []
     for (shape, weights, metric, mode), values in groups.items():
-        base = statistics.median(groups[(shape, weights, metric, "bf16")])
-        med = statistics.median(values)
-        out.append({"shape": shape, "weights": weights, "metric": metric, "mode": mode, "median": med,
-                    "min": min(values), "max": max(values), "vs_bf16": med / base})  # fmt: skip
+        base = groups[(shape, weights, metric, "bf16")]
+        ratios = [v / base[rnd] for rnd, v in values.items() if rnd in base]
+        out.append({"shape": shape, "weights": weights, "metric": metric, "mode": mode,
+                    "median": statistics.median(values.values()), "vs_bf16": statistics.median(ratios),
+                    "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": len(ratios)})  # fmt: skip
     return out
 
 
+def _metric_order(m: str) -> tuple:
+    kinds = ("tok_s", "tpot_ms", "gpu_step_us", "ttft_ms")
+    name, _, c = m.partition("@")
+    return (kinds.index(name) if name in kinds else len(kinds), int(c) if c else 0)
+
+
 def table(rows: list[dict]) -> str:
-    metrics = sorted(
-        {r["metric"] for r in rows}, key=lambda m: (m.split("@")[0], int(m.split("@")[1]) if "@" in m else 0)
-    )
+    metrics = sorted({r["metric"] for r in rows}, key=_metric_order)
     lines = [
         "| model | weights | mode | " + " | ".join(metrics) + " |",
         "|---|---|---|" + "---:|" * len(metrics),
     ]
     by = {(r["shape"], r["weights"], r["mode"], r["metric"]): r for r in rows}
+    units = {"tok_s": "tok/s", "gpu_step_us": "µs"}
     for shape, weights in dict.fromkeys((r["shape"], r["weights"]) for r in rows):
         for mode in MODES:
             cells = []
             for m in metrics:
                 r = by[(shape, weights, mode, m)]
-                unit = "tok/s" if m.startswith("tok_s") else "ms"
-                cells.append(f"{r['median']:.1f} {unit} ({r['vs_bf16']:.2f}×; {r['min']:.1f}-{r['max']:.1f})")
+                unit = units.get(m.split("@")[0], "ms")
+                spread = "" if mode == "bf16" else f"; {r['ratio_min']:.3f}-{r['ratio_max']:.3f}"
+                cells.append(f"{r['median']:.1f} {unit} ({r['vs_bf16']:.3f}×{spread})")
             lines.append(f"| {shape} | {weights} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def verdict(rows: list[dict], target: float = 0.99) -> list[str]:
+    """The throughput target per case and concurrency (``fp32`` tok/s over stock's, paired median),
+    with what ``fp32`` adds to the GPU time of a decode step."""
+    out = []
+    for r in sorted(rows, key=lambda r: (r["shape"], r["weights"], _metric_order(r["metric"]))):
+        name = r["metric"].split("@")[0]
+        if r["mode"] != "fp32" or name not in ("tok_s", "gpu_step_us"):
+            continue
+        head = f"{r['shape']} {r['weights']} {r['metric']}: fp32 / stock {r['vs_bf16']:.3f}"
+        rounds = f"(rounds {r['ratio_min']:.3f}-{r['ratio_max']:.3f})"
+        if name == "tok_s":
+            out.append(f"{head} {rounds} -> {'met' if r['vs_bf16'] >= target else 'MISSED'}")
+        else:
+            out.append(f"{head} {rounds}: the GPU's share of a decode step")
+    return out
 
 
 def plot(rows: list[dict], path: Path) -> bool:
@@ -182,25 +216,23 @@ def plot(rows: list[dict], path: Path) -> bool:
     if plt is None:
         return False
     cases = list(dict.fromkeys((r["shape"], r["weights"]) for r in rows))
-    metrics = [m for m in dict.fromkeys(r["metric"] for r in rows)]
-    fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4), squeeze=False)
+    metrics = sorted({r["metric"] for r in rows}, key=_metric_order)
+    by = {(r["shape"], r["weights"], r["mode"], r["metric"]): r for r in rows}
+    fig, axes = plt.subplots(1, len(cases), figsize=(6 * len(cases), 4), squeeze=False)
     for ax, (shape, weights) in zip(axes[0], cases, strict=True):
         for i, mode in enumerate(MODES):
-            vals = [next(r["vs_bf16"] for r in rows if (r["shape"], r["weights"], r["mode"], r["metric"]) ==
-                         (shape, weights, mode, m)) for m in metrics]  # fmt: skip
-            picked = [next(r for r in rows if (r["shape"], r["weights"], r["mode"], r["metric"]) ==
-                           (shape, weights, mode, m)) for m in metrics]  # fmt: skip
-            base = [r["median"] / r["vs_bf16"] for r in picked]
-            spread = [[v - r["min"] / b for v, r, b in zip(vals, picked, base, strict=True)],
-                      [r["max"] / b - v for v, r, b in zip(vals, picked, base, strict=True)]]  # fmt: skip
+            picked = [by[(shape, weights, mode, m)] for m in metrics]
+            vals = [r["vs_bf16"] for r in picked]
+            spread = [[v - r["ratio_min"] for v, r in zip(vals, picked, strict=True)],
+                      [r["ratio_max"] - v for v, r in zip(vals, picked, strict=True)]]  # fmt: skip
             ax.bar([j + (i - 1) * 0.27 for j in range(len(metrics))], vals, width=0.27, label=mode,
                    yerr=spread, capsize=2, error_kw={"lw": 0.8})  # fmt: skip
         ax.axhline(0.99, color="k", ls="--", lw=1, label="0.99× (target for tok/s)")
-        ax.set_xticks(range(len(metrics)), metrics, rotation=20)
-        ratios = [r[k] / (r["median"] / r["vs_bf16"]) for r in rows for k in ("min", "max")]
+        ax.set_xticks(range(len(metrics)), metrics, rotation=30, fontsize=7)
+        ratios = [r[k] for r in rows for k in ("ratio_min", "ratio_max")]
         ax.set_ylim(min(0.9, min(ratios) - 0.02), max(1.1, max(ratios) + 0.02))
-        ax.set_ylabel("median / stock bf16's median")
-        ax.set_title(f"{shape} ({weights} weights); bars: min-max of rounds")
+        ax.set_ylabel("/ stock bf16 of the same round")
+        ax.set_title(f"{shape} ({weights} weights); bars: range over rounds", fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -228,14 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if args.render:
         result = json.loads(Path(args.render).read_text())
+        result["summary"] = summary(result)
         out.mkdir(parents=True, exist_ok=True)
-        print(table(result["summary"]))
+        print(table(result["summary"]), *verdict(result["summary"]), sep="\n")
         plot(result["summary"], out / "e2e.png")
         return 0
     result = run(args)
     result["summary"] = summary(result)
     (out / "e2e.json").write_text(json.dumps(result, indent=1))
-    print(table(result["summary"]))
+    print(table(result["summary"]), *verdict(result["summary"]), sep="\n")
     plot(result["summary"], out / "e2e.png")
     return 0
 
