@@ -36,6 +36,7 @@ from csrc_triton.launches import (  # noqa: E402
 )
 from csrc_triton.tables import CONFIG_DIR, bucket_for, clear_table_cache, device_key, table_override  # noqa: E402
 from vllm_router_ext.benchmarking import (  # noqa: E402
+    FAMILY_SHAPES,
     M_LIST,
     SHAPES,
     make_inputs,
@@ -617,7 +618,11 @@ def refine_table_split_sums(shape, key: str, old: list[dict], ms) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
-    p.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
+    p.add_argument(
+        "--shapes",
+        default=",".join(s.name for s in SHAPES),
+        help="names of the benchmark's release and family shapes (default: the release shapes)",
+    )
     p.add_argument("--m", default=",".join(map(str, TUNE_M_LIST)))
     p.add_argument("--modes", default="bf16-fp32out,fp32")
     p.add_argument("--merge", default=None, help="start from this table; only the listed shapes are retuned")
@@ -645,6 +650,9 @@ def main(argv: list[str] | None = None) -> int:
         help="batch-invariant K splits to compare, e.g. 256,512 (default: every structure's)",
     )
     args = p.parse_args(argv)
+    unknown = sorted(set(args.shapes.split(",")) - {s.name for s in SHAPES + FAMILY_SHAPES})
+    if unknown:
+        p.error(f"--shapes: {unknown} unknown; known: {', '.join(s.name for s in SHAPES + FAMILY_SHAPES)}")
     if (args.targeted or args.refine_split_sum) and not args.merge:
         p.error("--targeted and --refine-split-sum need --merge TABLE")
     name = torch.cuda.get_device_name()
@@ -667,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _tune_shapes(args: argparse.Namespace, table: dict, out: Path, ms: list[int], bi_default_m: bool) -> None:
     t0 = time.time()
-    for shape in SHAPES:
+    for shape in SHAPES + FAMILY_SHAPES:
         if shape.name not in args.shapes.split(","):
             continue
         entry = table["shapes"].setdefault(f"{shape.k}x{shape.n}", {"model": shape.name})
