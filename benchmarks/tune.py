@@ -36,8 +36,8 @@ from csrc_triton.launches import (  # noqa: E402
 )
 from csrc_triton.tables import CONFIG_DIR, bucket_for, clear_table_cache, device_key, table_override  # noqa: E402
 from vllm_router_ext.benchmarking import (  # noqa: E402
-    FAMILY_SHAPES,
     M_LIST,
+    SHAPE_BY_NAME,
     SHAPES,
     make_inputs,
     rotation_copies,
@@ -650,9 +650,9 @@ def main(argv: list[str] | None = None) -> int:
         help="batch-invariant K splits to compare, e.g. 256,512 (default: every structure's)",
     )
     args = p.parse_args(argv)
-    unknown = sorted(set(args.shapes.split(",")) - {s.name for s in SHAPES + FAMILY_SHAPES})
+    unknown = sorted(set(args.shapes.split(",")) - SHAPE_BY_NAME.keys())
     if unknown:
-        p.error(f"--shapes: {unknown} unknown; known: {', '.join(s.name for s in SHAPES + FAMILY_SHAPES)}")
+        p.error(f"--shapes: {unknown} unknown; known: {', '.join(SHAPE_BY_NAME)}")
     if (args.targeted or args.refine_split_sum) and not args.merge:
         p.error("--targeted and --refine-split-sum need --merge TABLE")
     name = torch.cuda.get_device_name()
@@ -675,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _tune_shapes(args: argparse.Namespace, table: dict, out: Path, ms: list[int], bi_default_m: bool) -> None:
     t0 = time.time()
-    for shape in SHAPES + FAMILY_SHAPES:
+    for shape in SHAPE_BY_NAME.values():
         if shape.name not in args.shapes.split(","):
             continue
         entry = table["shapes"].setdefault(f"{shape.k}x{shape.n}", {"model": shape.name})
