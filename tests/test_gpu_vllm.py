@@ -79,6 +79,7 @@ class Spec:
     model: str  # a key of ROUTING_PRESETS, or of FAMILY_PRESETS (another MoE family)
     args: tuple[str, ...] = ()
     expect: str = "fp32"  # the precision every gate must run
+    weight: str = "bfloat16"  # the gate weight's dtype as vLLM builds it
     fp8: bool = False
     mtp: int = 0
     eager: bool = False
@@ -107,6 +108,9 @@ SPECS: dict[str, Spec] = {
     # Other families: Qwen3-MoE's auto keeps vLLM's gate, so the flag asks; gpt-oss has a gate bias.
     "qwen3-moe-fp32": Spec("qwen3-moe", ("--router-precision", "fp32")),
     "gpt-oss-bf16-fp32out": Spec("gpt-oss", ("--router-precision", "bf16-fp32out"), "bf16-fp32out"),
+    # MiniMax-M2's gate weight is fp32 (auto: fp32); Qwen3-Next: linear attention, 512-expert release.
+    "minimax-m2": Spec("minimax-m2", weight="float32"),
+    "qwen3-next-fp32": Spec("qwen3-next", ("--router-precision", "fp32")),
     "deepseek-v3.2": Spec("deepseek-v3.2"),
     "glm-5": Spec("glm-5"),
 }
@@ -216,7 +220,7 @@ def test_serves_with_defaults_and_names_the_gpu_kernels(servers, spec):
         assert (
             "implementation: triton" in line or "implementation: gluon" in line or "batch-invariant" in line
         )
-        assert "weight bfloat16" in line, line  # FP8 checkpoints too: the gate is not quantized
+        assert f"weight {SPECS[spec].weight}" in line, line  # FP8 checkpoints too: the gate is not quantized
     assert "is quantized; leaving it" not in log
     assert "Traceback" not in log
     if not SPECS[spec].eager:
