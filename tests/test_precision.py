@@ -34,9 +34,7 @@ def test_values_are_exactly_the_documented_ones():
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("value", CONCRETE)
 def test_each_source_alone(source, value):
-    p, src, overridden = resolve_router_precision(
-        architecture="DeepseekV3ForCausalLM", **{source: value}
-    )
+    p, src, overridden = resolve_router_precision(architecture="DeepseekV3ForCausalLM", **{source: value})
     assert p.value == value and overridden == ()
 
 
@@ -63,9 +61,7 @@ def test_every_source_beats_moe_router_dtype(source):
 
 
 def test_moe_router_dtype_beats_architecture_table():
-    p, src, _ = resolve_router_precision(
-        architecture="DeepseekV3ForCausalLM", moe_router_dtype="float32"
-    )
+    p, src, _ = resolve_router_precision(architecture="DeepseekV3ForCausalLM", moe_router_dtype="float32")
     assert p is RouterPrecision.FP32 and "moe_router_dtype" in src
 
 

@@ -34,6 +34,7 @@ CLI_CONFIG_KEY = "router_precision_cli"
 BATCH_INVARIANT_KEY = "router_batch_invariant"
 CLI_BATCH_INVARIANT_KEY = "router_batch_invariant_cli"
 
+
 class RouterPrecision(str, enum.Enum):
     """How the router GEMM stores its weight, accumulates and stores its logits."""
 
