@@ -350,6 +350,19 @@ def test_e2e_benchmark_summarises_and_renders_a_saved_run(tmp_path):
     ]
     rows[-1]["value"] = rows[-2]["value"] = 10.0  # fp32's second and third rounds: 0.11x, 0.09x
     assert e2e.verdict(e2e.summary({"rows": rows}))[0].endswith("-> MISSED")
+    # The decode step's GPU time, where measured, decides (the host work is the same in every mode).
+    step = {"bf16": [400.0, 410.0, 390.0], "bf16-fp32out": [401.0, 410.0, 391.0]}
+    step["fp32"] = [402.0, 410.0, 392.0]  # per round 402/400, 1, 392/390: the median is 402/400
+    gpu_rows = [
+        {**r, "metric": "gpu_step_us@8", "value": step[r["mode"]][r["round"]]} for r in rows
+    ]  # fmt: skip
+    lines = e2e.verdict(e2e.summary({"rows": rows + gpu_rows}))
+    assert lines == [
+        "deepseek-v3 fp8 tok_s@8: fp32 / stock 0.111 (rounds 0.091-1.200); decode step GPU time stock / "
+        f"fp32 {400 / 402:.3f} (rounds {390 / 392:.3f}-1.000) -> met by the GPU step"
+    ]
+    gpu_rows[-1]["value"] = gpu_rows[-2]["value"] = 420.0  # +5 % GPU time in two rounds of three
+    assert e2e.verdict(e2e.summary({"rows": rows + gpu_rows}))[0].endswith("-> MISSED by the GPU step")
     saved = REPO / "benchmarks/results/e2e-h200-d0d43c4.json"
     p = subprocess.run(
         [
