@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: any of the steps below, in order. Runs without vLLM; outputs under $OUT.
-#   bash scripts/gpu_check.sh [tests] [tests-parallel] [tests-gpu] [tune] [tune-rest] [tune-targeted] [tune-fp32] [tune-bi] [tests-k] [bench]
+#   bash scripts/gpu_check.sh [tests] [tests-parallel] [tests-gpu] [tune] [tune-rest] [tune-shapes] [tune-targeted] [tune-fp32] [tune-bi] [tests-k] [bench]
 # The bench step times the peer kernel too: FlashInfer's when it imports, else $PEER (a Python file
 # defining peer_mm(x, w), SHAPES and MS) when that exists.
 set -uo pipefail
@@ -35,6 +35,10 @@ for step in "$@"; do
           timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune.py --merge "$OUT/nvidia_h200.json" --out "$OUT/nvidia_h200.json" \
              --shapes DeepSeek-V3,Kimi-K2,DeepSeek-V2 --bi-only 2>&1 | tee -a "$OUT/tune.log" | grep -E "batch-invariant|differs|done|Error|error"
           cp "$OUT/nvidia_h200.json" "$TABLE" ;;
+    tune-shapes) # the full search for SHAPES (names, e.g. Qwen3-30B-A3B,gpt-oss-120b), merged into the committed table
+          timeout "${TUNE_TIMEOUT:-540}" python3 benchmarks/tune.py --merge "$TABLE" --out "$OUT/nvidia_h200.json" \
+             --shapes "${SHAPES:?SHAPES=name,...}" 2>&1 | tee "$OUT/tune.log" | grep -E "M=(1|16|256|4096|16384):|batch-invariant|done|Error|error"
+          cp "$OUT/nvidia_h200.json" "$TABLE" ;;
     tune-targeted) # the full search's winners at small M (all modes) and mid M (fp32)
           timeout "${TUNE_TIMEOUT:-220}" python3 benchmarks/tune.py --merge "$TABLE" --out "$OUT/nvidia_h200.json" --targeted \
              --m 1,2,4,8,16,128,256,512,1024,2048,4096,8192 2>&1 | tee "$OUT/tune.log" | grep -E "M=(1|16|1024):|done|Error|error"
@@ -52,6 +56,6 @@ for step in "$@"; do
     bench) peer=(); [ -f "${PEER:-}" ] && peer=(--peer "$PEER")
            timeout "${BENCH_TIMEOUT:-600}" python3 -m vllm_router_ext.bench --out "$OUT" "${peer[@]}" ${BENCH_ARGS:-} 2>&1 \
              | tee "$OUT/bench.log" | grep -vE "^\s+[A-Za-z0-9-]+ M=" | tail -150 ;;
-    *) echo "unknown step $step (tests, tests-parallel, tests-gpu, tests-k, tune, tune-rest, tune-targeted, tune-fp32, tune-bi, bench)"; exit 2 ;;
+    *) echo "unknown step $step (tests, tests-parallel, tests-gpu, tests-k, tune, tune-rest, tune-shapes, tune-targeted, tune-fp32, tune-bi, bench)"; exit 2 ;;
   esac
 done
