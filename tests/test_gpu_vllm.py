@@ -221,9 +221,7 @@ def test_serves_with_defaults_and_names_the_gpu_kernels(servers, spec):
     for line in lines:
         assert f"router precision {expect} " in line, line
         assert ("logits float32" if expect != "bf16" else "logits model dtype") in line
-        assert (
-            "implementation: triton" in line or "implementation: gluon" in line or BI_LINE in line
-        )
+        assert "implementation: triton" in line or "implementation: gluon" in line or BI_LINE in line
         # where the configs come from: the GPU's tuned table, or the heuristic and why
         assert "tuned table " in line or "heuristic configs: " in line or BI_LINE in line, line
         assert f"weight {SPECS[spec].weight}" in line, line  # FP8 checkpoints too: the gate is not quantized
