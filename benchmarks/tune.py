@@ -268,6 +268,36 @@ def _triton_buckets(
         entry[f"{mode}/triton"] = merge_buckets([], new, sorted(new))
 
 
+def full_candidates(shape, mode: str, m: int, invariant: list[dict] | None = None) -> list[KernelLaunch]:
+    """Every candidate the full search times for ``shape`` and ``mode`` at M, once each."""
+    cands = gemv_candidates(m) if m <= GEMV_MAX_M else []
+    if invariant and (bi := bucket_config(invariant, m)) is not None:
+        cands.append(bi)
+    cands += splitk_candidates(m, mode)
+    if mode == "fp32" and m >= FP32_TILED_FROM:
+        cands += tiled_candidates(m, mode)
+    elif mode != "fp32" and m >= 32:  # it never beat cuBLAS in the 16-bit modes: two for the record
+        cands += tiled_candidates(m, mode)[:2]
+    if mode == "bf16-fp32out":
+        cands.append(CublasLaunch())
+    if mode == "fp32":
+        cands += wgmma_ws_candidates(m, shape.k, shape.n)
+    return list(dict.fromkeys(cands))
+
+
+def compile_candidates(shape, modes: list[str], ms) -> None:
+    """Compile (and check against fp64) every candidate of the full search, timing nothing: run in
+    several processes at once before a tune, it fills Triton's cache, so the tune's one process
+    spends its time timing instead of compiling."""
+    for mode in modes:
+        for m in ms:
+            xs, ws = make_inputs(m, shape.k, shape.n, 1, seed=m)
+            for cfg in full_candidates(shape, mode, m):
+                if cfg.kernel != "cublas":
+                    _check(cfg, xs[0], ws[0], mode)
+        print(f"[tune] {shape.name} {mode} compiled", flush=True)
+
+
 def tune_shape(
     shape, mode: str, ms, old: list[dict] | None = None, invariant: list[dict] | None = None
 ) -> tuple[list[dict], dict[int, float], dict[int, tuple[float, KernelLaunch]]]:
@@ -280,20 +310,8 @@ def tune_shape(
     triton_by_m: dict[int, tuple[float, KernelLaunch]] = {}
     for m in ms:
         xs, ws = make_inputs(m, shape.k, shape.n, rotation_copies(m, shape.k, shape.n), seed=m)
-        cands = gemv_candidates(m) if m <= GEMV_MAX_M else []
-        if invariant and (bi := bucket_config(invariant, m)) is not None:
-            cands.append(bi)
-        cands += splitk_candidates(m, mode)
-        if mode == "fp32" and m >= FP32_TILED_FROM:
-            cands += tiled_candidates(m, mode)
-        elif mode != "fp32" and m >= 32:  # it never beat cuBLAS in the 16-bit modes: two for the record
-            cands += tiled_candidates(m, mode)[:2]
-        if mode == "bf16-fp32out":
-            cands.append(CublasLaunch())
-        if mode == "fp32":
-            cands += wgmma_ws_candidates(m, shape.k, shape.n)
         results = []
-        for cfg in dict.fromkeys(cands):
+        for cfg in full_candidates(shape, mode, m, invariant):
             if cfg.kernel != "cublas" and not _check(cfg, xs[0], ws[0], mode):
                 continue
             results.append((time_config(cfg, xs, ws, mode), cfg))
@@ -644,6 +662,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-bi", action="store_true", help="leave the batch-invariant buckets as they are")
     p.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile and check every candidate of the full search for --shapes, --modes and --m; "
+        "time nothing, write nothing (fills Triton's cache for a tune that follows)",
+    )
+    p.add_argument(
         "--bi-k-splits",
         type=lambda v: tuple(int(k) for k in v.split(",")),
         default=None,
@@ -655,9 +679,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--shapes: {unknown} unknown; known: {', '.join(SHAPE_BY_NAME)}")
     if (args.targeted or args.refine_split_sum) and not args.merge:
         p.error("--targeted and --refine-split-sum need --merge TABLE")
+    ms = [int(m) for m in args.m.split(",")]
+    if args.compile_only:
+        for name in args.shapes.split(","):
+            compile_candidates(SHAPE_BY_NAME[name], args.modes.split(","), ms)
+        return 0
     name = torch.cuda.get_device_name()
     out = Path(args.out) if args.out else CONFIG_DIR / f"{device_key(name)}.json"
-    ms = [int(m) for m in args.m.split(",")]
     table = {"device": name, "tuned": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "shapes": {}}
     if args.merge:
         table["shapes"] = json.loads(Path(args.merge).read_text(encoding="utf-8"))["shapes"]

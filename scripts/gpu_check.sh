@@ -35,9 +35,19 @@ for step in "$@"; do
           timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune.py --merge "$OUT/nvidia_h200.json" --out "$OUT/nvidia_h200.json" \
              --shapes DeepSeek-V3,Kimi-K2,DeepSeek-V2 --bi-only 2>&1 | tee -a "$OUT/tune.log" | grep -E "batch-invariant|differs|done|Error|error"
           cp "$OUT/nvidia_h200.json" "$TABLE" ;;
-    tune-shapes) # the full search for SHAPES (names, e.g. Qwen3-30B-A3B,gpt-oss-120b), merged into the committed table
-          timeout "${TUNE_TIMEOUT:-540}" python3 benchmarks/tune.py --merge "$TABLE" --out "$OUT/nvidia_h200.json" \
-             --shapes "${SHAPES:?SHAPES=name,...}" 2>&1 | tee "$OUT/tune.log" | grep -E "M=(1|16|256|4096|16384):|batch-invariant|done|Error|error"
+    tune-shapes) # the full search for SHAPES (names, e.g. Qwen3-30B-A3B,gpt-oss-120b), merged into the committed table;
+          # every shape's candidates compiled first, one process a shape (TUNE_ARGS: e.g. --no-bi, --m)
+          start=$SECONDS; pids=()
+          for s in ${SHAPES//,/ }; do
+            timeout "${COMPILE_TIMEOUT:-240}" python3 benchmarks/tune.py --compile-only --shapes "$s" ${TUNE_ARGS:-} \
+              > "$OUT/compile-$s.log" 2>&1 & pids+=($!)
+          done
+          for p in "${pids[@]}"; do wait "$p"; done
+          cat "$OUT"/compile-*.log > "$OUT/compile.log"; rm -f "$OUT"/compile-*.log
+          echo "[tune] candidates compiled in $((SECONDS - start)) s"
+          timeout "$(( ${TUNE_TIMEOUT:-540} - (SECONDS - start) ))" python3 benchmarks/tune.py --merge "$TABLE" \
+             --out "$OUT/nvidia_h200.json" --shapes "${SHAPES:?SHAPES=name,...}" ${TUNE_ARGS:-} 2>&1 \
+             | tee "$OUT/tune.log" | grep -E "M=(1|16|256|4096|16384):|batch-invariant|done|Error|error"
           cp "$OUT/nvidia_h200.json" "$TABLE" ;;
     tune-targeted) # the full search's winners at small M (all modes) and mid M (fp32)
           timeout "${TUNE_TIMEOUT:-220}" python3 benchmarks/tune.py --merge "$TABLE" --out "$OUT/nvidia_h200.json" --targeted \
