@@ -266,6 +266,8 @@ def test_batch_invariant_buckets_start_where_the_table_or_heuristic_changes(tabl
     for key, entry in table.items():
         k, n = map(int, key.split("x"))
         for mode in ("bf16-fp32out", "fp32"):
+            if f"{mode}/batch_invariant" not in entry:  # the heuristic's buckets: checked below
+                continue
             buckets = entry[f"{mode}/batch_invariant"]
             notes = ("max_m", "us", "fastest_us")
             launch = [{a: b for a, b in bk.items() if a not in notes} for bk in buckets]
