@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -30,11 +31,22 @@ def omp_threads_bind(workers: int) -> str:
     return "|".join(str(cores[i % len(cores)]) for i in range(workers))
 
 
+#: vLLM's cache of what each model class supports, shared by every run (its entries are keyed by
+#: the model file's hash): a miss imports vLLM in one more process, ~10 s on a 2-core CPU.
+MODELINFO_CACHE = Path(tempfile.gettempdir()) / f"vllm-router-ext-modelinfos-{os.getuid()}"
+
+
 def cpu_env(workdir: Path) -> dict[str, str]:
-    """Environment for a CPU vLLM run whose caches and sockets stay in ``workdir``."""
+    """Environment for a CPU vLLM run whose caches and sockets stay in ``workdir``, except the
+    model-class cache (:data:`MODELINFO_CACHE`)."""
     env = dict(os.environ)
     tmp = workdir / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
+    MODELINFO_CACHE.mkdir(parents=True, exist_ok=True)
+    modelinfos = workdir / "vllm-cache" / "modelinfos"
+    if not modelinfos.is_symlink() and not modelinfos.exists():
+        modelinfos.parent.mkdir(parents=True, exist_ok=True)
+        modelinfos.symlink_to(MODELINFO_CACHE, target_is_directory=True)
     env.update(
         TMPDIR=str(tmp),
         VLLM_CACHE_ROOT=str(workdir / "vllm-cache"),
