@@ -33,8 +33,8 @@ _SOFTMAX_RENORM = "softmax", "greedy", True
 _SIGMOID_BIAS = "sigmoid", "noaux_tc", True
 
 #: The gates of the other MoE families' releases (hidden size, experts, routing, from each
-#: release's config.json), timed and audited beside the DeepSeek family; the tuned table has
-#: GLM-4.5's shape (DeepSeek-V2's), the heuristic serves the rest.
+#: release's config.json), timed and audited beside the DeepSeek family; each has its own entry in
+#: the H200 table (GLM-4.5's is DeepSeek-V2's).
 FAMILY_SHAPES: tuple[RouterShape, ...] = (
     RouterShape("Qwen3-235B-A22B", 4096, 128, RoutingConfig(8, 1, 1, *_SOFTMAX_RENORM)),
     RouterShape("Qwen3-30B-A3B", 2048, 128, RoutingConfig(8, 1, 1, *_SOFTMAX_RENORM)),
