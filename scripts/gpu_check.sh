@@ -45,7 +45,8 @@ for step in "$@"; do
           for p in "${pids[@]}"; do wait "$p"; done
           cat "$OUT"/compile-*.log > "$OUT/compile.log"; rm -f "$OUT"/compile-*.log
           echo "[tune] candidates compiled in $((SECONDS - start)) s"
-          timeout "$(( ${TUNE_TIMEOUT:-540} - (SECONDS - start) ))" python3 benchmarks/tune.py --merge "$TABLE" \
+          left=$(( ${TUNE_TIMEOUT:-540} - (SECONDS - start) )); [ "$left" -gt 0 ] || left=1  # timeout 0 = none
+          timeout "$left" python3 benchmarks/tune.py --merge "$TABLE" \
              --out "$OUT/nvidia_h200.json" --shapes "${SHAPES:?SHAPES=name,...}" ${TUNE_ARGS:-} 2>&1 \
              | tee "$OUT/tune.log" | grep -E "M=(1|16|256|4096|16384):|batch-invariant|done|Error|error"
           cp "$OUT/nvidia_h200.json" "$TABLE" ;;
