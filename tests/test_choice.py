@@ -266,7 +266,7 @@ def test_batch_invariant_buckets_start_where_the_table_or_heuristic_changes(tabl
     for key, entry in table.items():
         k, n = map(int, key.split("x"))
         for mode in ("bf16-fp32out", "fp32"):
-            if f"{mode}/batch_invariant" not in entry:  # the heuristic's buckets: checked below
+            if f"{mode}/batch_invariant" not in entry:  # a shape whose batch invariance is the heuristic's
                 continue
             buckets = entry[f"{mode}/batch_invariant"]
             notes = ("max_m", "us", "fastest_us")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from csrc_triton.launches import GemvLaunch, SplitKLaunch, WgmmaWsLaunch, describe, fields, from_bucket
-from vllm_router_ext.benchmarking import FAMILY_SHAPES, SHAPES
+from vllm_router_ext.benchmarking import FAMILY_SHAPES, SHAPES, RouterShape
 from vllm_router_ext.ops import choice, router_gemm
 from vllm_router_ext.ops.dispatch import launch_exactly, launch_into
 from vllm_router_ext.ops.reference import changed_expert_sets, select_experts
@@ -81,7 +81,7 @@ def _table_buckets_at_both_ends():
 
     cases = []
     with table_override("nvidia_h200"):
-        one_per_gate: dict[tuple[int, int], object] = {}
+        one_per_gate: dict[tuple[int, int], RouterShape] = {}
         for shape in (*SHAPES, *FAMILY_SHAPES):
             one_per_gate.setdefault((shape.k, shape.n), shape)  # GLM-4.5's gate is DeepSeek-V2's
         for shape in one_per_gate.values():
