@@ -31,6 +31,7 @@ SHAPES: tuple[RouterShape, ...] = (
 
 _SOFTMAX_RENORM = "softmax", "greedy", True
 _SIGMOID_BIAS = "sigmoid", "noaux_tc", True
+_SOFTMAX_BIAS = "softmax", "noaux_tc", True  # ERNIE-4.5: the bias picks, the softmax scores weigh
 
 #: The gates of the other MoE families' releases (hidden size, experts, routing, from each
 #: release's config.json), timed and audited beside the DeepSeek family; each has its own entry in
@@ -47,6 +48,8 @@ FAMILY_SHAPES: tuple[RouterShape, ...] = (
     RouterShape("Llama-4-Maverick", 5120, 128, RoutingConfig(1, 1, 1, "sigmoid")),
     RouterShape("GLM-4.5", 5120, 160, RoutingConfig(8, 1, 1, *_SIGMOID_BIAS, 2.5)),
     RouterShape("MiniMax-M2", 3072, 256, RoutingConfig(8, 1, 1, *_SIGMOID_BIAS)),
+    RouterShape("ERNIE-4.5-300B-A47B", 8192, 64, RoutingConfig(8, 1, 1, *_SOFTMAX_BIAS)),
+    RouterShape("ERNIE-4.5-21B-A3B", 2560, 64, RoutingConfig(6, 1, 1, *_SOFTMAX_BIAS)),
 )
 
 SHAPE_BY_NAME: dict[str, RouterShape] = {s.name: s for s in SHAPES + FAMILY_SHAPES}
