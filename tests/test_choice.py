@@ -17,6 +17,7 @@ from vllm_router_ext.ops.choice import Device, Problem
 from vllm_router_ext.precision import RouterPrecision
 
 BF16 = torch.bfloat16
+H100 = Device("NVIDIA H100 80GB HBM3", 132, 90)
 
 
 def heuristic(m, k, n, mode, bi, sms=132, *, capability=90, wgmma_ws=None, fp32_weight=False, cublas=False):
@@ -42,6 +43,28 @@ def bi_buckets(k, n, mode, device_name, sms=132):
     return choice.batch_invariant_buckets(problem)
 
 
+@pytest.mark.parametrize("w_dtype", [BF16, torch.float32], ids=["bf16-weight", "fp32-weight"])
+def test_heuristic_gemv_range_follows_the_h200_picks(w_dtype):
+    """The GEMV up to 4 tokens, then up to 16 while the call has at most 2048 logits (H200: split-K
+    won beyond); one expert a program below 64 experts with every load issued (maxnreg 255), two
+    experts a program from 5 tokens except on an fp32 weight; never under batch invariance."""
+    for n, gemv_to in ((8, 16), (64, 16), (128, 16), (160, 12), (256, 8), (384, 5), (512, 4)):
+        for m in range(1, 18):
+            launch = choice.heuristic(Problem(m, 4096, n, RouterPrecision.FP32, False, BF16, w_dtype, H100))
+            assert (launch.kernel == "gemv") == (m <= gemv_to), (n, m, launch)
+            if launch.kernel != "gemv":
+                continue
+            assert launch.num_warps == 8 and launch.maxnreg == (255 if n < 64 else 0), (n, m, launch)
+            if n < 64:
+                assert (launch.block_m, launch.block_n) == (1, 1)
+            elif m <= 4 or w_dtype is torch.float32:
+                assert (launch.block_m, launch.block_n) == (min(2, m), 1)
+            else:
+                assert launch.block_n == 2 and launch.block_m == (1 if m <= 8 else 2 if n <= 128 else 4)
+        bi = choice.heuristic(Problem(8, 4096, n, RouterPrecision.FP32, True, BF16, w_dtype, H100))
+        assert bi.kernel == "splitk"
+
+
 def test_heuristic_configs_are_well_formed():
     for m in (1, 4, 5, 16, 64, 65, 4096, 16384):
         for bi in (False, True):
@@ -52,7 +75,8 @@ def test_heuristic_configs_are_well_formed():
                     assert cfg.k_per_split % (cfg.block_k * chunks) == 0
                     if m <= 64 and not bi:  # small M: enough programs to fill the GPU
                         assert (256 // cfg.block_n) * (7168 // cfg.k_per_split) >= 132
-                expected = "splitk" if bi else "gemv" if m <= 4 else "splitk" if m <= 8192 else "tiled"
+                gemv = m <= 4 or m * 256 <= choice.GEMV_MAX_LOGITS  # 5-8 tokens on 256 experts
+                expected = "splitk" if bi else "gemv" if gemv else "splitk" if m <= 8192 else "tiled"
                 assert cfg.kernel == expected, (m, bi, mode, cfg)
                 with_cublas = heuristic(m, 7168, 256, mode, bi, 132, cublas=True)
                 if mode != "fp32" and not bi and m > 64:  # Hopper's split tiles to 512 (below)
@@ -116,13 +140,16 @@ def test_heuristic_mid_m_split_tiles_on_hopper():
     """65-512 tokens, not batch-invariant, Hopper: pipelined 64 x 64 split tiles, 128-wide chunks,
     the finest K split (256 only below K=4096, then 512, in fp32 also 1024) whose programs stay
     within 2 per SM (16-bit modes; else cuBLAS) or 1 per SM (fp32; else the older split of 1024 in
-    64-wide chunks); one chain a split loops flat. What measured fastest on the H200, shape by
-    shape (benchmarks/NOTES.md)."""
+    64-wide chunks); one chain a split loops flat. A genuinely fp32 weight (64 x 64 x 128 spills
+    on sm_90): 64 x 32 x 128 while those programs fit one wave, else 64 x 64 x 64, two stages.
+    What measured fastest on the H200, shape by shape (benchmarks/NOTES.md)."""
 
     def split(m, k, n, mode, **kw):
         cfg = heuristic(m, k, n, mode, False, 132, cublas=True, **kw)
         if cfg.kernel != "splitk":
             return cfg.kernel
+        if kw.get("fp32_weight"):
+            return cfg.block_n, cfg.block_k, cfg.k_per_split, cfg.num_stages, cfg.flat_chain
         assert (cfg.block_m, cfg.block_n, cfg.num_stages) == (64, 64, 3), cfg
         assert cfg.pdl == (kw.get("capability", 90) // 10 == 9), cfg  # the sum: PDL on Hopper
         return cfg.block_k, cfg.k_per_split, cfg.flat_chain
@@ -140,10 +167,16 @@ def test_heuristic_mid_m_split_tiles_on_hopper():
         (256, 2048, 64, fp32, (128, 256, True)),
     ):  # fmt: skip
         assert split(m, k, n, mode) == expected, (m, k, n, mode)
-    # Not on Ampere / Ada, not for a genuinely fp32 weight, not above 512 tokens
+    # A genuinely fp32 weight: 64 x 32 tiles while they make <= 132 programs, else 64-wide chunks
+    for m, k, n, expected in (
+        (256, 4096, 8, (32, 128, 512, 2, False)), (512, 2048, 64, (32, 128, 256, 2, True)),
+        (256, 8192, 64, (32, 128, 512, 2, False)), (512, 8192, 64, (64, 64, 512, 2, False)),
+        (65, 7168, 256, (64, 64, 512, 2, False)),
+    ):  # fmt: skip
+        assert split(m, k, n, fp32, fp32_weight=True) == expected, (m, k, n)
+    # Not on Ampere / Ada, not above 512 tokens
     assert split(65, 7168, 256, bf16, capability=89) == "cublas"
     assert split(65, 7168, 256, fp32, capability=89) == (64, 1024, False)
-    assert split(65, 7168, 256, fp32, fp32_weight=True) == (64, 1024, False)
     assert split(513, 2048, 64, bf16) == "cublas"
     assert heuristic(64, 7168, 256, bf16, False, 132, cublas=True).num_stages == 1
 
@@ -244,8 +277,8 @@ def test_startup_description_of_the_cuda_dispatch(monkeypatch):
         "; from M=1024: one GEMM on the weight's three bf16 terms (split once at load), "
         "hi + mid + lo added per logit"
     )
-    text = startup.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.float32, 2048, 64)
-    assert "three bf16 terms" not in text  # DeepSeek-V2-Lite's 64 experts keep the in-kernel split
+    text = startup.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.float32, 4096, 8)
+    assert "from M=1024: one GEMM on the weight's three bf16 terms" in text  # any number of experts
     text = startup.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, True, torch.bfloat16, 7168, 256)
     assert text.startswith("batch-invariant triton split-K, K split 512 (BLOCK_K 128) fixed for every M")
     assert "splits added in order" in text
@@ -408,7 +441,7 @@ def test_choose_resolves_what_this_gpu_and_these_operands_allow():
     small = choice.choose(replace(fp32_weight, m=300, device=Device("GPU", 132, 80)))
     assert isinstance(small, SplitKLaunch) and small.block_k == 32 and small.num_stages == 2
     one_chain = choice.choose(
-        Problem(8, 7168, 256, RouterPrecision.BF16_FP32OUT, device=Device("GPU", 132, 90))
+        Problem(17, 7168, 256, RouterPrecision.BF16_FP32OUT, device=Device("GPU", 132, 90))
     )
     assert one_chain.promote_chunks * one_chain.block_k == one_chain.k_per_split
     terms = choice.choose(replace(fp32_weight, weight_terms=True))
@@ -418,3 +451,19 @@ def test_choose_resolves_what_this_gpu_and_these_operands_allow():
     for mode in (RouterPrecision.BF16_FP32OUT, RouterPrecision.BF16):
         assert choice.choose(replace(p, precision=mode)).kernel == "cublas"
         assert choice.choose(replace(fp32_weight, precision=mode)).kernel == "splitk"
+
+
+def test_an_fp32_weight_gemv_with_several_tokens_a_program_runs_8_warps_uncapped():
+    """A GEMV holding several tokens a program on fp32 weight rows takes 8 warps and no register
+    cap from 5 tokens (H200: the tuned bf16 picks spilled, GLM-5 at 16 tokens 107 -> 12.6 µs);
+    below 64 experts one token and one expert a program; a bf16 weight keeps the table's pick."""
+    h200 = Device("NVIDIA H200", 132, 90)
+    for m, k, n in ((12, 6144, 256), (16, 7168, 256), (16, 8192, 64), (8, 6144, 256)):
+        tuned = choice.choose(Problem(m, k, n, RouterPrecision.FP32, device=h200))
+        assert tuned.kernel == "gemv" and tuned.block_m > 1 and (tuned.num_warps, tuned.maxnreg) != (8, 0)
+        fp32_weight = choice.choose(Problem(m, k, n, RouterPrecision.FP32, False, BF16, torch.float32, h200))
+        assert fp32_weight == replace(tuned, num_warps=8, maxnreg=0), (m, k, n)
+    scout = choice.choose(Problem(16, 5120, 16, RouterPrecision.FP32, False, BF16, torch.float32, h200))
+    assert (scout.block_m, scout.block_n, scout.num_warps, scout.maxnreg) == (1, 1, 8, 255)
+    four = Problem(4, 7168, 384, RouterPrecision.FP32, device=h200)
+    assert choice.choose(replace(four, weight_dtype=torch.float32)) == choice.choose(four)  # to 4 tokens

@@ -17,6 +17,16 @@ from vllm_router_ext.precision import RouterPrecision
 
 pytestmark = pytest.mark.gpu
 
+
+def _one_per_gate() -> list[RouterShape]:
+    """One shape per distinct gate (GLM-4.5's is DeepSeek-V2's)."""
+    gates: dict[tuple[int, int], RouterShape] = {}
+    for shape in (*SHAPES, *FAMILY_SHAPES):
+        gates.setdefault((shape.k, shape.n), shape)
+    return list(gates.values())
+
+
+GATES = _one_per_gate()
 MS = [0, 1, 3, 17, 255, 4097]
 NEEDLE_MS = [1, 2, 3, 8, 16, 17, 64, 255, 256, 1024, 4096, 16384]
 
@@ -81,10 +91,7 @@ def _table_buckets_at_both_ends():
 
     cases = []
     with table_override("nvidia_h200"):
-        one_per_gate: dict[tuple[int, int], RouterShape] = {}
-        for shape in (*SHAPES, *FAMILY_SHAPES):
-            one_per_gate.setdefault((shape.k, shape.n), shape)  # GLM-4.5's gate is DeepSeek-V2's
-        for shape in one_per_gate.values():
+        for shape in GATES:
             for key in ("bf16-fp32out", "fp32", "fp32/triton"):
                 low = 1
                 for bucket in table_buckets("NVIDIA H200", shape.k, shape.n, key):
@@ -323,30 +330,34 @@ def test_fp32_mode_accuracy(m, w_dtype):
         assert _rel(out, x, w) <= 1e-6
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-def test_fp32_weight_with_its_terms_accurate_and_graph_safe(shape):
-    """What the gate layer runs for a genuinely fp32 weight: the op with the weight's bf16 terms
-    (one promoted GEMM on them from FP32_WEIGHT_TERMS_FROM_M tokens and 128 experts, the weight
-    itself otherwise)."""
+@pytest.mark.parametrize("table", ["nvidia_h200", "none"])
+@pytest.mark.parametrize("shape", GATES, ids=lambda s: s.name)
+def test_fp32_weight_with_its_terms_accurate_and_graph_safe(shape, table):
+    """What the gate layer runs for a genuinely fp32 weight, with the H200 table and with the
+    heuristic: the op with the weight's bf16 terms (one promoted GEMM on them from
+    FP32_WEIGHT_TERMS_FROM_M tokens, the weight itself below), against fp64."""
+    from csrc_triton.tables import table_override
+
     w = torch.randn(shape.n, shape.k, device="cuda") / shape.k**0.5
     assert not torch.equal(w.to(torch.bfloat16).float(), w)
     terms = fp32_weight_terms(w)
-    for m in [0, 1, 7, 300, 1023, 1024, 2048, 4096, 16384]:
-        x = torch.randn(m, shape.k, device="cuda").to(torch.bfloat16)
-        out = router_gemm(x, w, "fp32", weight_terms=terms)
-        assert out.shape == (m, shape.n) and out.dtype == torch.float32
-        if m:
-            assert _rel(out, x, w) <= 1e-6, m
-    x = torch.randn(2048, shape.k, device="cuda").to(torch.bfloat16)
-    eager = router_gemm(x, w, "fp32", weight_terms=terms)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        captured = router_gemm(x, w, "fp32", weight_terms=terms)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
+    with table_override(table):
+        for m in [0, 1, 7, 12, 65, 300, 1023, 1024, 2048, 4096, 16384]:
+            x = torch.randn(m, shape.k, device="cuda").to(torch.bfloat16)
+            out = router_gemm(x, w, "fp32", weight_terms=terms)
+            assert out.shape == (m, shape.n) and out.dtype == torch.float32
+            if m:
+                assert _rel(out, x, w) <= 1e-6, m
+        x = torch.randn(2048, shape.k, device="cuda").to(torch.bfloat16)
+        eager = router_gemm(x, w, "fp32", weight_terms=terms)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            captured = router_gemm(x, w, "fp32", weight_terms=terms)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
     assert torch.equal(captured, eager)
 
 
@@ -432,10 +443,32 @@ def test_batch_invariant_needle_eager_and_graphs(shape, mode):
 
 #: M at and beside every switch of the heuristic (GEMV, split-K, pipelined split-K / its K split / cuBLAS,
 #: wgmma_ws and its 192-wide tiles, tiled; batch invariance: splits summed in one program).
-HEURISTIC_MS = [1, 4, 5, 64, 65, 128, 129, 256, 257, 512, 513, 1023, 1024, 2048, 2049, 8192, 8193]
+HEURISTIC_MS = [
+    1,
+    4,
+    5,
+    8,
+    9,
+    16,
+    17,
+    64,
+    65,
+    128,
+    129,
+    256,
+    257,
+    512,
+    513,
+    1023,
+    1024,
+    2048,
+    2049,
+    8192,
+    8193,
+]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("shape", GATES, ids=lambda s: s.name)
 @pytest.mark.parametrize("mode", ["bf16-fp32out", "fp32", "bf16"])
 def test_heuristic_without_a_table_poisoned_and_accurate(shape, mode):
     """What a GPU without a tuned table runs (``VLLM_ROUTER_EXT_TABLE=none`` here): every

@@ -153,7 +153,6 @@ def choose(p: Problem) -> Launch:
         and p.x_dtype == torch.bfloat16
         and p.fp32_weight
         and p.m >= FP32_WEIGHT_TERMS_FROM_M
-        and p.n >= FP32_WEIGHT_TERMS_MIN_N
     ):
         terms = replace(p, n=3 * p.n, weight_dtype=torch.bfloat16, weight_terms=False)
         return Fp32WeightTermsLaunch(choose(terms))
@@ -188,8 +187,9 @@ _FALLBACKS_LOGGED: set[str] = set()
 def resolve(launch: KernelLaunch, p: Problem) -> KernelLaunch:
     """The launch that runs for a chosen (or a tuner's, a test's) ``launch``: a ``wgmma_ws``
     launch that cannot run here becomes :func:`wgmma_ws_fallback`'s; a genuinely fp32 weight's
-    tiles are capped (held in fp32 and as three bf16 terms); split-K's promotion defaults to one
-    chain per split. None of this changes a sum's order per mode, so batch invariance holds."""
+    tiles are capped (held in fp32 and as three bf16 terms), its multi-token GEMV programs run 8
+    warps without a register cap; split-K's promotion defaults to one chain per split. Under batch
+    invariance (never a GEMV) none of this depends on M, so batch invariance holds."""
     if isinstance(launch, WgmmaWsLaunch) and (problem := wgmma_ws_problem(p)) is not None:
         fallback = wgmma_ws_fallback(p)
         if problem not in _FALLBACKS_LOGGED:
@@ -214,6 +214,14 @@ def resolve(launch: KernelLaunch, p: Problem) -> KernelLaunch:
         return _with(
             launch, block_m=bm, block_n=bn, block_k=block_k, num_stages=stages, promote_chunks=promote
         )
+    if isinstance(launch, GemvLaunch) and p.fp32_weight and p.m > 4 and launch.block_m > 1:
+        # several tokens a program on fp32 weight rows: with 4 warps or maxnreg the loads in flight
+        # overflow the registers at large K (H200, GLM-5 at 16 tokens: 107 -> 12.6 µs)
+        if p.n < 64:
+            return _with(launch, block_m=1, block_n=1, num_warps=8, maxnreg=255)
+        if (launch.num_warps, launch.maxnreg) != (8, 0):
+            return _with(launch, num_warps=8, maxnreg=0)
+        return launch
     if isinstance(launch, TiledLaunch) and p.fp32_weight:
         return replace(
             launch,
@@ -304,15 +312,20 @@ WGMMA_WS_192_FROM_M = 2048
 WGMMA_WS_SMEM_BYTES = 227 * 1024 - 1024
 WGMMA_WS_MAX_STAGES = 6
 
+#: Not batch-invariant: the GEMV from 5 tokens up to GEMV_TO_M while a call has at most
+#: GEMV_MAX_LOGITS logits (16 tokens to 128 experts, 8 to 256; H200: beyond it split-K won).
+GEMV_TO_M = 16
+GEMV_MAX_LOGITS = 2048
+
 #: Hopper, not batch-invariant, from 65 tokens to MID_M_SPLIT_TO: pipelined 64 x 64 split tiles,
 #: K split as finely as keeps the programs within MID_M_PROGRAMS_PER_SM per SM.
 MID_M_SPLIT_TO = {"fp32": WGMMA_WS_FROM_M - 1, "16-bit": 512}
 MID_M_PROGRAMS_PER_SM = {"fp32": 1, "16-bit": 2}
 
 #: An fp32 gate weight's GEMM runs on its three bf16 terms (one fp32-mode GEMM on [3N, K]) from
-#: this M and N; below, the kernels split fp32 weight tiles in every program.
+#: this M, whatever N (3N rows: 24 for Mixtral's 8 experts); below, the kernels split fp32 weight
+#: tiles in every program.
 FP32_WEIGHT_TERMS_FROM_M = 1024
-FP32_WEIGHT_TERMS_MIN_N = 128
 
 
 def fp32_promote_chunks(block_k: int) -> int:
@@ -446,10 +459,9 @@ def _heuristic_kernel(p: Problem, allow_wgmma_ws: bool) -> KernelLaunch:
         if tail == 0 and n > 256 and n % 192 == 0 and m >= WGMMA_WS_192_FROM_M:
             tail = 64  # 192-wide tiles, the tail split between the two consumers
         return wgmma_ws(block_n, wgmma_ws_split(m, k, n, block_n, sms, tail), block_n_tail=tail)
-    if not bi and m <= 4:
-        # 8 warps: the H200 table's pick at 1-4 tokens; with 4 and two tokens sm_89 spills at K=6144.
-        return GemvLaunch(min(2, 1 << (m - 1).bit_length()), 1, num_warps=8)
-    if not bi and p.hopper and not p.fp32_weight and (mid := _mid_m_split(p)) is not None:
+    if not bi and (m <= 4 or (m <= GEMV_TO_M and m * n <= GEMV_MAX_LOGITS)):
+        return _gemv(m, n, p.fp32_weight)
+    if not bi and p.hopper and (mid := _mid_m_split(p)) is not None:
         return mid
     if p.cublas and not bi and m > 64:
         return CublasLaunch()
@@ -465,6 +477,18 @@ def _heuristic_kernel(p: Problem, allow_wgmma_ws: bool) -> KernelLaunch:
     return TiledLaunch(
         128, wide if n >= 128 else 64, 64, promote_chunks=fp32_promote_chunks(64) if fp32 else 0
     )
+
+
+def _gemv(m: int, n: int, fp32_weight: bool) -> GemvLaunch:
+    """The H200 table's GEMV picks on 17 gate shapes, generalised: one expert a program below 64
+    experts (their programs are few already; every chunk's loads issued at once: ``maxnreg``),
+    more tokens a program as M grows, two experts a program from 5 tokens. 8 warps throughout:
+    with 4, sm_89 spills at K=6144; an fp32 weight keeps one expert a program (two spill on sm_100)."""
+    if n < 64:
+        return GemvLaunch(1, 1, num_warps=8, maxnreg=255)
+    if m <= 4 or fp32_weight:
+        return GemvLaunch(min(2, 1 << (m - 1).bit_length()), 1, num_warps=8)
+    return GemvLaunch(1 if m <= 8 else 2 if n <= 128 else 4, 2, num_warps=8)
 
 
 def _small_or_invariant(p: Problem) -> SplitKLaunch:
@@ -510,9 +534,21 @@ def _mid_m_split(p: Problem) -> SplitKLaunch | None:
     tiles = cdiv(m, 64) * cdiv(n, 64)
     for k_per_split in ((256,) if k < 4096 else ()) + ((512, 1024) if fp32 else (512,)):
         if tiles * cdiv(k, k_per_split) <= limit:
-            launch = splitk(64, 64, 128, k_per_split, fp32, 4, num_stages=3)
+            if p.fp32_weight:
+                launch = _fp32_weight_split_tiles(p, k_per_split)
+            else:
+                launch = splitk(64, 64, 128, k_per_split, fp32, 4, num_stages=3)
             return _with(launch, flat_chain=True) if one_chain_split(launch) else launch
     return None
+
+
+def _fp32_weight_split_tiles(p: Problem, k_per_split: int) -> SplitKLaunch:
+    """An fp32 weight's split tiles (each chunk held in fp32 and as three bf16 terms): 64 x 64 x 128
+    spills on sm_90, so 64 x 32 x 128 while those programs fit one wave, else 64 x 64 x 64."""
+    programs = cdiv(p.m, 64) * cdiv(p.n, 32) * cdiv(p.k, k_per_split)
+    if programs <= p.device.sm_count:
+        return splitk(64, 32, 128, k_per_split, True, 4, num_stages=2)
+    return splitk(64, 64, 64, k_per_split, True, 4, num_stages=2)
 
 
 # --- what the start-up line and the self-check read

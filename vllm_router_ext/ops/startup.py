@@ -81,11 +81,7 @@ def describe_cuda_dispatch(
         tuned = f"heuristic configs: no {k}x{n} entry in table {tables.table_label(name)}"
     promo = ", promoted fp32 accumulation" if precision is RouterPrecision.FP32 else ""
     terms = ""
-    if (
-        precision is RouterPrecision.FP32
-        and weight_dtype == torch.float32
-        and n >= choice.FP32_WEIGHT_TERMS_MIN_N
-    ):
+    if precision is RouterPrecision.FP32 and weight_dtype == torch.float32:
         terms = (
             f"; from M={choice.FP32_WEIGHT_TERMS_FROM_M}: one GEMM on the weight's three bf16 terms "
             "(split once at load), hi + mid + lo added per logit"
