@@ -519,8 +519,9 @@ def wgmma_ws_candidates(m: int, k: int, n: int) -> list[KernelLaunch]:
         return []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
-    # (block_n, tail): tiles of 128 + a tail where that width divides N (160 = 128 + 32; 384 = 2 x 192)
-    widths = [(128, 0)] + ([(64, 0)] if n % 128 else [])
+    # (block_n, tail): tiles of 128 + a tail where that width divides N (160 = 128 + 32; 384 = 2 x 192);
+    # 64-wide tiles on every N: twice the programs without partials where 128-wide ones are few
+    widths = [(128, 0), (64, 0)]
     widths += [(128, t) for t in (16, 32) if n > 128 and n % (128 + t) == 0]
     widths += [(128, 64)] if n > 128 and n % 192 == 0 else []
     for block_n, tail in widths:

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -134,6 +135,28 @@ def test_fp32_configs_promote_short_chains_of_two_or_more_chunks():
     with pytest.raises(ValueError, match="block_k=256"):
         choice.fp32_promote_chunks(256)
     assert choice.splitk(16, 16, 512, 512, True).block_k == choice.FP32_MAX_BLOCK_K
+
+
+def test_tuner_times_64_wide_wgmma_ws_tiles_on_every_gate(monkeypatch):
+    """The tuner's ``wgmma_ws`` candidates (Hopper with Gluon) take 64-wide tiles on every N, also
+    where 128 divides it (twice the programs where 128-wide tiles are few), beside the 128-wide and
+    tailed ones; none below WGMMA_WS_TUNE_FROM tokens."""
+    import importlib.util
+
+    import csrc_triton.capability
+
+    spec = importlib.util.spec_from_file_location("tune", REPO / "benchmarks/tune.py")
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    h200 = SimpleNamespace(multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: h200)
+    monkeypatch.setattr(csrc_triton.capability, "gluon_available", lambda: True)
+    for k, n, widths in ((2880, 128, {128, 64}), (2048, 512, {128, 64}), (5120, 160, {128, 64, 160})):
+        cands = tune.wgmma_ws_candidates(1024, k, n)
+        assert {c.block_n + c.block_n_tail for c in cands} == widths, (k, n)
+        assert all(c.kernel == "wgmma_ws" for c in cands)
+    assert tune.wgmma_ws_candidates(tune.WGMMA_WS_TUNE_FROM - 1, 2880, 128) == []
 
 
 def test_tuner_merges_a_partial_retune_into_the_table_buckets():
