@@ -444,28 +444,8 @@ def test_batch_invariant_needle_eager_and_graphs(shape, mode):
 #: M at and beside every switch of the heuristic (GEMV, split-K, pipelined split-K / its K split / cuBLAS,
 #: wgmma_ws and its 192-wide tiles, tiled; batch invariance: splits summed in one program).
 HEURISTIC_MS = [
-    1,
-    4,
-    5,
-    8,
-    9,
-    16,
-    17,
-    64,
-    65,
-    128,
-    129,
-    256,
-    257,
-    512,
-    513,
-    1023,
-    1024,
-    2048,
-    2049,
-    8192,
-    8193,
-]
+    1, 4, 5, 8, 9, 16, 17, 64, 65, 128, 129, 256, 257, 512, 513, 1023, 1024, 2048, 2049, 8192, 8193,
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", GATES, ids=lambda s: s.name)
