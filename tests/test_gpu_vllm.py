@@ -61,7 +61,7 @@ from vllm_router_ext.testing.tiny_checkpoint import (  # noqa: E402
 TAP = "vllm_router_ext.testing.gate_tap.GateTap"
 # fp32 logits of exact bf16 products summed in fp32 (~1e-7 relative); bf16: one bf16 rounding.
 LOGIT_TOL = {"fp32": 1e-5, "bf16-fp32out": 1e-5, "bf16": 1e-2}
-BI_LINE = "implementation: batch-invariant triton split-K"  # the batch-invariant kernel, one K split
+BI_KERNEL = "batch-invariant triton split-K"  # the batch-invariant kernel, one K split
 PROMPTS = [
     "def fibonacci(n):",
     "import os\nimport sys\n\nclass Path",
@@ -221,9 +221,12 @@ def test_serves_with_defaults_and_names_the_gpu_kernels(servers, spec):
     for line in lines:
         assert f"router precision {expect} " in line, line
         assert ("logits float32" if expect != "bf16" else "logits model dtype") in line
-        assert "implementation: triton" in line or "implementation: gluon" in line or BI_LINE in line
-        # where the configs come from: the GPU's tuned table, or the heuristic and why
-        assert "tuned table " in line or "heuristic configs: " in line or BI_LINE in line, line
+        implementation = line.split("implementation: ", 1)[1]
+        if "--router-batch-invariant" in SPECS[spec].args:
+            assert implementation.startswith(BI_KERNEL), line
+        else:  # the kernel per range of M, and where its configs come from: the tuned table, or why not
+            assert implementation.startswith("by M at run time: triton "), line
+            assert "tuned table " in implementation or "heuristic configs: " in implementation, line
         assert f"weight {SPECS[spec].weight}" in line, line  # FP8 checkpoints too: the gate is not quantized
     assert "is quantized; leaving it" not in log
     assert "Traceback" not in log
