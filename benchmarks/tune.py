@@ -519,19 +519,21 @@ def wgmma_ws_candidates(m: int, k: int, n: int) -> list[KernelLaunch]:
         return []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
-    # (block_n, tail): tiles of 128 + a tail where that width divides N (160 = 128 + 32; 384 = 2 x 192);
-    # 64-wide tiles on every N: twice the programs without partials where 128-wide ones are few
-    widths = [(128, 0), (64, 0)]
-    widths += [(128, t) for t in (16, 32) if n > 128 and n % (128 + t) == 0]
-    widths += [(128, 64)] if n > 128 and n % 192 == 0 else []
-    for block_n, tail in widths:
-        tiles = wgmma_ws_tiles(m, n, block_n, tail)
+    # (block_m, block_n, tail): 128-row tiles of 128 + a tail where that width divides N (160 =
+    # 128 + 32; 384 = 2 x 192); 64-wide and 64-row tiles on every N: more programs without
+    # partials where 128 x 128 tiles are few (64-row ones: two resident on an SM)
+    forms = [(128, 128, 0), (128, 64, 0), (64, 128, 0), (64, 64, 0)]
+    forms += [(128, 128, t) for t in (16, 32) if n > 128 and n % (128 + t) == 0]
+    forms += [(128, 128, 64)] if n > 128 and n % 192 == 0 else []
+    for block_m, block_n, tail in forms:
+        tiles = wgmma_ws_tiles(m, n, block_n, tail, block_m)
+        resident = 2 * (128 // block_m)  # programs an SM holds at once
         for asked in WGMMA_WS_SPLITS:
             per_split = wgmma_ws_k_per_split(k, asked)
             splits = -(-k // per_split)  # whole chains per split: fewer parts than asked, maybe
-            if tiles * splits <= 2 * sms and per_split < k or splits == 1:
+            if tiles * splits <= resident * sms and per_split < k or splits == 1:
                 kps = 0 if splits == 1 else per_split
-                out.append(wgmma_ws(block_n, kps, block_n_tail=tail))
+                out.append(wgmma_ws(block_n, kps, block_n_tail=tail, block_m=block_m))
     return list(dict.fromkeys(out))
 
 

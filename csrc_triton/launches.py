@@ -62,15 +62,17 @@ class TiledLaunch:
     source: str = "heuristic"
 
 
-#: The ``wgmma_ws`` kernel's tile rows: two consumer warpgroups of one m64 wgmma each.
+#: The ``wgmma_ws`` kernel's tile rows: two consumer warpgroups of one m64 wgmma each, or one
+#: (64-row tiles: twice the programs, two of them resident on an SM).
 WGMMA_WS_BLOCK_M = 128
+WGMMA_WS_BLOCK_MS = (128, 64)
 
 
 @dataclass(frozen=True)
 class WgmmaWsLaunch:
-    """The warp-specialised wgmma kernel (``router_gemm_wgmma_ws``, Hopper, fp32 mode): 128-row
-    tiles of ``block_n`` + ``block_n_tail`` columns, K split in ``k_per_split`` (0: none), the
-    split sum plain or with PDL (``PDL_EARLY`` / ``PDL_LATE``)."""
+    """The warp-specialised wgmma kernel (``router_gemm_wgmma_ws``, Hopper, fp32 mode): tiles of
+    ``block_m`` (128 or 64) rows and ``block_n`` + ``block_n_tail`` columns, K split in
+    ``k_per_split`` (0: none), the split sum plain or with PDL (``PDL_EARLY`` / ``PDL_LATE``)."""
 
     kernel: ClassVar[str] = "wgmma_ws"
     block_n: int
@@ -80,6 +82,7 @@ class WgmmaWsLaunch:
     num_stages: int
     block_n_tail: int = 0
     pdl: int = 0
+    block_m: int = WGMMA_WS_BLOCK_M
     source: str = "heuristic"
 
 

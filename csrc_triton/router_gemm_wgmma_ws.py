@@ -12,7 +12,9 @@ lower-level dialect) one producer warp streams TMA loads of a [128, BLOCK_K] act
 and a [BLOCK_N, BLOCK_K] weight block into a num_stages-deep shared-memory ring, and two consumer
 warpgroups each own 64 rows of the 128 x BLOCK_N tile (sharing the weight block): while one
 drains and adds, the other's wgmmas keep the tensor cores busy, and the loads never wait on
-either (times in docs/kernels.md).
+either (times in docs/kernels.md). A 64-row tile has one consumer warpgroup: twice the programs
+where 128-row tiles are too few for the SMs, two programs resident on an SM, each the other's
+overlap.
 
 More forms, with the same chains and adds per logit: a tile of 128 + a 16/32-column tail (160
 experts in one tile; the tail is carried by the default partition, which grows to 256 registers
@@ -33,7 +35,7 @@ import triton
 from csrc_triton import cdiv
 from csrc_triton.capability import gluon_available
 from csrc_triton.launches import WGMMA_WS_BLOCK_M as BLOCK_M  # two consumer warpgroups x one m64 wgmma
-from csrc_triton.launches import WgmmaWsLaunch
+from csrc_triton.launches import WGMMA_WS_BLOCK_MS, WgmmaWsLaunch
 from csrc_triton.pdl import pdl_enabled
 
 MAX_CHAIN = 256  # the fp32 mode's longest MMA chain along K
@@ -244,9 +246,10 @@ if GLUON:
             t_bufs = b_bufs  # never read
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        CONSUMERS: gl.constexpr = BM // _HALF
         for st in gl.static_range(STAGES):
             mbarrier.init(ready.index(st), count=1)
-            mbarrier.init(empty.index(st), count=2)  # each consumer releases
+            mbarrier.init(empty.index(st), count=CONSUMERS)  # each consumer releases
 
         worker_args = (x_desc, w_desc, t_desc, a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N,
                        stride_os, stride_om, off_m, off_n, pid_s, k_begin, k_end,
@@ -254,17 +257,29 @@ if GLUON:
         # fmt: off
         # The default partition's constexpr arguments are written in place: gathered in a tuple
         # variable first, they would arrive as runtime integers.
-        gl.warp_specialize(
-            [
-                (_consumer, (a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os,
-                            stride_om, off_m, off_n, pid_s, 0, _HALF, PROMOTE, N_CHUNKS, STAGES,
-                            TAIL, _HALF if SPLIT_TAIL else BM, PDL == _PDL_LATE)),
-                (_second_consumer, worker_args),
-                (_loader, worker_args),
-            ],
-            [4, 1],
-            [REGS, 24 if SPLIT_TAIL else 40],  # 128 x (256 + 232 + 24): the whole file
-        )
+        if CONSUMERS == 2:
+            gl.warp_specialize(
+                [
+                    (_consumer, (a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os,
+                                stride_om, off_m, off_n, pid_s, 0, _HALF, PROMOTE, N_CHUNKS, STAGES,
+                                TAIL, _HALF if SPLIT_TAIL else BM, PDL == _PDL_LATE)),
+                    (_second_consumer, worker_args),
+                    (_loader, worker_args),
+                ],
+                [4, 1],
+                [REGS, 24 if SPLIT_TAIL else 40],  # 128 x (256 + 232 + 24): the whole file
+            )
+        else:  # a 64-row tile: one consumer warpgroup, no tail
+            gl.warp_specialize(
+                [
+                    (_consumer, (a_bufs, b_bufs, t_bufs, ready, empty, out_ptr, M, N, stride_os,
+                                stride_om, off_m, off_n, pid_s, 0, _HALF, PROMOTE, N_CHUNKS, STAGES,
+                                0, _HALF, PDL == _PDL_LATE)),
+                    (_loader, worker_args),
+                ],
+                [1],
+                [40],
+            )
         # fmt: on
 
 
@@ -289,6 +304,10 @@ def _tma_descriptor(t: torch.Tensor, block_rows: int, block_k: int):
 #: total).
 WORKER_REGISTERS = 168
 
+#: Registers per thread at launch for a 64-row tile (one consumer warpgroup and the loader, 256
+#: threads): two programs fit an SM's register file; the consumer takes what the loader gives up.
+ONE_CONSUMER_REGISTERS = 128
+
 #: Tail widths (columns beyond the 128-wide accumulator).
 TAILS = (0, 16, 32, 64)
 #: A 64-column tail is split between the two consumer partitions (each its own 64 rows):
@@ -308,7 +327,8 @@ def wgmma_ws_launch(
     for all 128 rows, a 64-column one split between the two. ``pdl`` (:data:`PDL_EARLY` or
     :data:`PDL_LATE`; 0: off): the partials' sum is a programmatic dependent launch where the GPU
     has it (``csrc_triton/pdl.py``), let go at the start of the first kernel or once its last
-    loads and chains are issued. The same bits either way."""
+    loads and chains are issued. The same bits either way. ``block_m`` 128 (two consumer
+    warpgroups) or 64 (one; no tail): the same sums per logit."""
     from csrc_triton.router_gemm_splitk import reduce_partials
 
     M, K = x.shape
@@ -324,6 +344,9 @@ def wgmma_ws_launch(
     if lc.block_n_tail not in TAILS or lc.block_n_tail >= lc.block_n:
         allowed = ", ".join(map(str, TAILS))
         raise ValueError(f"block_n_tail={lc.block_n_tail}; allowed: {allowed} (below block_n={lc.block_n})")
+    if lc.block_m not in WGMMA_WS_BLOCK_MS or (lc.block_m != BLOCK_M and lc.block_n_tail):
+        allowed = ", ".join(map(str, WGMMA_WS_BLOCK_MS))
+        raise ValueError(f"block_m={lc.block_m}; allowed: {allowed} (a tail needs {BLOCK_M} rows)")
     if lc.pdl not in (0, PDL_EARLY, PDL_LATE):
         raise ValueError(f"pdl={lc.pdl}; allowed: 0 (off), {PDL_EARLY} (early), {PDL_LATE} (late)")
     if M == 0:
@@ -333,16 +356,17 @@ def wgmma_ws_launch(
     n_chunks = cdiv(kps, lc.block_k)
     split = cdiv(K, kps)
     part = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=out.device)
-    x_desc = _tma_descriptor(x, BLOCK_M, lc.block_k)
+    x_desc = _tma_descriptor(x, lc.block_m, lc.block_k)
     w_desc = _tma_descriptor(w, lc.block_n, lc.block_k)
     t_desc = _tma_descriptor(w, lc.block_n_tail, lc.block_k) if lc.block_n_tail else w_desc
-    grid = (cdiv(N, lc.block_n + lc.block_n_tail), cdiv(M, BLOCK_M), split)
+    grid = (cdiv(N, lc.block_n + lc.block_n_tail), cdiv(M, lc.block_m), split)
+    regs = WORKER_REGISTERS if lc.block_m == BLOCK_M else ONE_CONSUMER_REGISTERS
     pdl = lc.pdl if lc.pdl and split > 1 and pdl_enabled(out.device) else 0
     _wgmma_ws_kernel[grid](
         x_desc, w_desc, t_desc, part, M, N, part.stride(0) if split > 1 else 0, part.stride(-2),
         K, n_chunks * lc.block_k, lc.promote_chunks, lc.num_stages, lc.block_n_tail,
         SPLIT_TAIL_REGISTERS if split_tail else WORKER_REGISTERS, split_tail, pdl,
-        num_warps=4, maxnreg=WORKER_REGISTERS,
+        num_warps=4, maxnreg=regs,
     )  # fmt: skip
     if split > 1:
         reduce_partials(part, out, pdl > 0)

@@ -231,6 +231,17 @@ def test_wgmma_ws_tiles_cover_160_experts_with_a_tail():
     assert wgmma_ws_stages(128, 128, 32) == 3
     for tail in (0, 16, 32, 64):
         assert wgmma_ws_stages(128, 64, tail) * (256 + tail) * 64 * 2 <= WGMMA_WS_SMEM_BYTES
+    # 64-row tiles: twice the programs, and two programs' rings in one SM's shared memory
+    assert wgmma_ws_tiles(1024, 512, 64, 0, 64) == 128 == 2 * wgmma_ws_tiles(1024, 512, 64)
+    for block_n in (64, 128):
+        stages = wgmma_ws_stages(block_n, 64, 0, 64)
+        assert stages >= 2 and 2 * stages * (64 + block_n) * 64 * 2 <= WGMMA_WS_SMEM_BYTES
+        assert choice.wgmma_ws(block_n, 0, block_m=64).num_stages == stages
+    assert [wgmma_ws_stages(n, 64, 0, 64) for n in (64, 128)] == [6, 4]
+    rows64 = choice.wgmma_ws(64, 1024, block_m=64)
+    assert to_bucket(rows64)["block_m"] == 64 and "block_m=64" in describe(rows64)
+    assert from_bucket({"max_m": None, **to_bucket(rows64)}, "table") == replace(rows64, source="table")
+    assert "block_m" not in to_bucket(choice.wgmma_ws(128, 0))  # the tables' 128-row buckets read as before
 
 
 def test_tuned_table_lookup(monkeypatch):

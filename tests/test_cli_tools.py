@@ -137,10 +137,10 @@ def test_fp32_configs_promote_short_chains_of_two_or_more_chunks():
     assert choice.splitk(16, 16, 512, 512, True).block_k == choice.FP32_MAX_BLOCK_K
 
 
-def test_tuner_times_64_wide_wgmma_ws_tiles_on_every_gate(monkeypatch):
-    """The tuner's ``wgmma_ws`` candidates (Hopper with Gluon) take 64-wide tiles on every N, also
-    where 128 divides it (twice the programs where 128-wide tiles are few), beside the 128-wide and
-    tailed ones; none below WGMMA_WS_TUNE_FROM tokens."""
+def test_tuner_times_64_wide_and_64_row_wgmma_ws_tiles_on_every_gate(monkeypatch):
+    """The tuner's ``wgmma_ws`` candidates (Hopper with Gluon) take 64-wide and 64-row tiles on
+    every N, also where 128 divides it (more programs where 128 x 128 tiles are few), beside the
+    128-wide and tailed ones (tails on 128 rows only); none below WGMMA_WS_TUNE_FROM tokens."""
     import importlib.util
 
     import csrc_triton.capability
@@ -156,6 +156,13 @@ def test_tuner_times_64_wide_wgmma_ws_tiles_on_every_gate(monkeypatch):
         cands = tune.wgmma_ws_candidates(1024, k, n)
         assert {c.block_n + c.block_n_tail for c in cands} == widths, (k, n)
         assert all(c.kernel == "wgmma_ws" for c in cands)
+        assert {(c.block_m, c.block_n) for c in cands if not c.block_n_tail} == {
+            (128, 128),
+            (128, 64),
+            (64, 128),
+            (64, 64),
+        }, (k, n)
+        assert all(c.block_m == 128 for c in cands if c.block_n_tail)
     assert tune.wgmma_ws_candidates(tune.WGMMA_WS_TUNE_FROM - 1, 2880, 128) == []
 
 

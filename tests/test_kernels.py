@@ -366,6 +366,10 @@ def test_wgmma_ws_launcher_refuses_what_it_cannot_run():
         wgmma_ws_launch(x, w, out, replace(base, block_n_tail=128))
     with pytest.raises(ValueError, match=r"pdl=3; allowed: 0 \(off\), 1 \(early\), 2 \(late\)"):
         wgmma_ws_launch(x, w, out, replace(base, pdl=3))
+    with pytest.raises(ValueError, match=r"block_m=96; allowed: 128, 64"):
+        wgmma_ws_launch(x, w, out, replace(base, block_m=96))
+    with pytest.raises(ValueError, match=r"block_m=64; allowed: 128, 64 \(a tail needs 128 rows\)"):
+        wgmma_ws_launch(x, w, out, replace(base, block_m=64, block_n_tail=32))
     with pytest.raises(ValueError, match="k_per_split=96 must hold whole promotions"):
         from csrc_triton.router_gemm_splitk import splitk_launch
 

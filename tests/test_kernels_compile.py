@@ -74,8 +74,9 @@ def test_every_dispatched_kernel_compiles(compile_runs, arch, name, sms):
 def test_wgmma_ws_forms_compile_for_sm90_without_spills():
     """Every form of the Gluon kernel, whether or not the table selects it today: plain, K split,
     a 32-column tail (the default partition's second accumulator), a 64-column tail split between
-    the consumers (the second one raised to 232 registers). The sm_90 compile (in a subprocess,
-    like the dispatch compile: no TRITON_INTERPRET) must not spill."""
+    the consumers (the second one raised to 232 registers), 64-row tiles (one consumer, 128
+    registers: two programs an SM). The sm_90 compile (in a subprocess, like the dispatch compile:
+    no TRITON_INTERPRET) must not spill."""
     script = """
 import json, torch
 from vllm_router_ext.testing.aot import _captured_launches, _compile, _resources
@@ -83,12 +84,13 @@ from vllm_router_ext.ops.choice import wgmma_ws
 from csrc_triton.router_gemm_wgmma_ws import GLUON, wgmma_ws_launch
 out = []
 forms = [dict(k_per_split=0), dict(k_per_split=1792), dict(k_per_split=0, block_n_tail=32),
-         dict(k_per_split=0, block_n_tail=64)]
+         dict(k_per_split=0, block_n_tail=64), dict(k_per_split=0, block_m=64),
+         dict(k_per_split=1792, block_m=64), dict(block_n=64, k_per_split=0, block_m=64)]
 for form in forms if GLUON else []:
     n = 160 if form.get("block_n_tail") == 32 else 384
     x, w = torch.zeros(8192, 7168, dtype=torch.bfloat16), torch.zeros(n, 7168, dtype=torch.bfloat16)
     with _captured_launches() as launches:
-        wgmma_ws_launch(x, w, torch.empty(8192, n), wgmma_ws(128, **form))
+        wgmma_ws_launch(x, w, torch.empty(8192, n), wgmma_ws(**{"block_n": 128, **form}))
     for fn, args, kwargs in launches:
         out.append([str(form), fn.__name__, *_resources(_compile(fn, args, kwargs, 90))])
 print(json.dumps(out))
@@ -104,6 +106,8 @@ print(json.dumps(out))
     kernels = {r[1] for r in results}
     assert {"_wgmma_ws_kernel", "_splitk_reduce_kernel"} <= kernels
     assert not [r for r in results if r[3]], results  # spill bytes
+    rows64 = [r for r in results if "block_m" in r[0] and r[1] == "_wgmma_ws_kernel"]
+    assert len(rows64) == 3 and all(r[2] <= 128 for r in rows64), rows64  # two programs an SM
 
 
 def test_pdl_forms_compile_with_grid_dependency_control():

@@ -221,6 +221,27 @@ def test_wgmma_ws_wide_tiles_equal_to_plain_tiles(shape, tail, k_per_split):
         assert torch.equal(out, ref), (m, describe(cfg))
 
 
+@pytest.mark.parametrize("shape", GATES, ids=lambda s: s.name)
+@pytest.mark.parametrize("block_n", [128, 64])
+@pytest.mark.parametrize("k_per_split", [0, 1024])
+def test_wgmma_ws_64_row_tiles_equal_to_128_row_tiles(shape, block_n, k_per_split):
+    """64-row tiles (one consumer warpgroup, two programs an SM): every logit written, fp32-mode
+    accuracy, and bitwise the 128-row tiles' logits (per element the same chains and adds), with
+    M below, at and across 64-row tile ends, on every gate shape."""
+    if not _hopper():
+        pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
+    cfg = choice.wgmma_ws(block_n, k_per_split, block_m=64)
+    plain = choice.wgmma_ws(block_n, k_per_split)
+    for m in (1, 63, 64, 65, 1000, 4097):
+        x, w = _xw(m, shape, row_stride=shape.k + 64)
+        out = torch.full((m, shape.n), float("nan"), device="cuda")
+        launch_exactly(cfg, x, w, out)
+        assert not out.isnan().any(), (m, describe(cfg))
+        assert _rel(out, x, w) <= 1e-6, (m, describe(cfg))
+        ref = launch_exactly(plain, x, w, torch.empty_like(out))
+        assert torch.equal(out, ref), (m, describe(cfg))
+
+
 def test_wgmma_ws_falls_back_where_tma_cannot_read_the_rows():
     """Rows whose stride is not a multiple of 16 bytes cannot be TMA-loaded: the config runs on
     the heuristic's Triton kernel instead, with the same accuracy."""

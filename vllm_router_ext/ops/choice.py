@@ -372,7 +372,12 @@ def one_chain_split(launch: SplitKLaunch) -> bool:
 
 
 def wgmma_ws(
-    block_n: int, k_per_split: int, block_k: int = 64, num_stages: int = 0, block_n_tail: int = 0
+    block_n: int,
+    k_per_split: int,
+    block_k: int = 64,
+    num_stages: int = 0,
+    block_n_tail: int = 0,
+    block_m: int = WGMMA_WS_BLOCK_M,
 ) -> WgmmaWsLaunch:
     """A ``wgmma_ws`` launch: chains of 256 along K, as many TMA stages as fit (``num_stages`` 0)."""
     return WgmmaWsLaunch(
@@ -380,15 +385,20 @@ def wgmma_ws(
         block_k,
         k_per_split,
         promote_chunks=2 * FP32_MAX_BLOCK_K // block_k,
-        num_stages=num_stages or wgmma_ws_stages(block_n, block_k, block_n_tail),
+        num_stages=num_stages or wgmma_ws_stages(block_n, block_k, block_n_tail, block_m),
         block_n_tail=block_n_tail,
+        block_m=block_m,
     )
 
 
-def wgmma_ws_stages(block_n: int, block_k: int = 64, block_n_tail: int = 0) -> int:
-    """TMA ring depth: as many stages (<= 6) of [128 + block_n + tail, block_k] 16-bit blocks as fit."""
-    stage_bytes = (WGMMA_WS_BLOCK_M + block_n + block_n_tail) * block_k * 2
-    return min(WGMMA_WS_MAX_STAGES, WGMMA_WS_SMEM_BYTES // stage_bytes)
+def wgmma_ws_stages(
+    block_n: int, block_k: int = 64, block_n_tail: int = 0, block_m: int = WGMMA_WS_BLOCK_M
+) -> int:
+    """TMA ring depth: as many stages (<= 6) of [block_m + block_n + tail, block_k] 16-bit blocks as
+    fit; a 64-row tile's program takes half the shared memory (two resident on an SM)."""
+    stage_bytes = (block_m + block_n + block_n_tail) * block_k * 2
+    programs = WGMMA_WS_BLOCK_M // block_m
+    return min(WGMMA_WS_MAX_STAGES, WGMMA_WS_SMEM_BYTES // programs // stage_bytes)
 
 
 def wgmma_ws_tail(n: int, block_n: int = 128) -> int:
@@ -401,9 +411,11 @@ def wgmma_ws_tail(n: int, block_n: int = 128) -> int:
     return min((0, 16, 32), key=lambda t: (padding(t), t))
 
 
-def wgmma_ws_tiles(m: int, n: int, block_n: int, block_n_tail: int = 0) -> int:
+def wgmma_ws_tiles(
+    m: int, n: int, block_n: int, block_n_tail: int = 0, block_m: int = WGMMA_WS_BLOCK_M
+) -> int:
     """Output tiles (programs per K split) of a ``wgmma_ws`` launch."""
-    return cdiv(m, WGMMA_WS_BLOCK_M) * cdiv(n, block_n + block_n_tail)
+    return cdiv(m, block_m) * cdiv(n, block_n + block_n_tail)
 
 
 def wgmma_ws_k_per_split(k: int, splits: int) -> int:
