@@ -193,6 +193,18 @@ def test_wgmma_ws_kernel_poisoned_and_accurate(shape, k_per_split, block_n):
         assert _rel(out, x, w) <= 1e-6, (m, describe(cfg))
 
 
+def _written_accurate_and_bitwise(cfg, plain, shape, ms) -> None:
+    """``cfg`` writes every logit of a poisoned output within 1e-6 of fp64, bitwise ``plain``'s."""
+    for m in ms:
+        x, w = _xw(m, shape, row_stride=shape.k + 64)
+        out = torch.full((m, shape.n), float("nan"), device="cuda")
+        launch_exactly(cfg, x, w, out)
+        assert not out.isnan().any(), (m, describe(cfg))
+        assert _rel(out, x, w) <= 1e-6, (m, describe(cfg))
+        ref = launch_exactly(plain, x, w, torch.empty_like(out))
+        assert torch.equal(out, ref), (m, describe(cfg))
+
+
 #: (tail columns, K per split) of the wider tiles: 16/32-column tails on the first consumer for
 #: all 128 rows, a 64-column tail split between the two consumers
 WGMMA_WS_FORMS = [(tail, kps) for tail in (16, 32) for kps in (0, 1792)] + [
@@ -211,14 +223,7 @@ def test_wgmma_ws_wide_tiles_equal_to_plain_tiles(shape, tail, k_per_split):
         pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
     cfg = choice.wgmma_ws(128, k_per_split, block_n_tail=tail)
     plain = choice.wgmma_ws(128, k_per_split)
-    for m in (1, 129, 1000, 4097):
-        x, w = _xw(m, shape, row_stride=shape.k + 64)
-        out = torch.full((m, shape.n), float("nan"), device="cuda")
-        launch_exactly(cfg, x, w, out)
-        assert not out.isnan().any(), (m, describe(cfg))
-        assert _rel(out, x, w) <= 1e-6, (m, describe(cfg))
-        ref = launch_exactly(plain, x, w, torch.empty_like(out))
-        assert torch.equal(out, ref), (m, describe(cfg))
+    _written_accurate_and_bitwise(cfg, plain, shape, (1, 129, 1000, 4097))
 
 
 @pytest.mark.parametrize("shape", GATES, ids=lambda s: s.name)
@@ -232,14 +237,7 @@ def test_wgmma_ws_64_row_tiles_equal_to_128_row_tiles(shape, block_n, k_per_spli
         pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
     cfg = choice.wgmma_ws(block_n, k_per_split, block_m=64)
     plain = choice.wgmma_ws(block_n, k_per_split)
-    for m in (1, 63, 64, 65, 1000, 4097):
-        x, w = _xw(m, shape, row_stride=shape.k + 64)
-        out = torch.full((m, shape.n), float("nan"), device="cuda")
-        launch_exactly(cfg, x, w, out)
-        assert not out.isnan().any(), (m, describe(cfg))
-        assert _rel(out, x, w) <= 1e-6, (m, describe(cfg))
-        ref = launch_exactly(plain, x, w, torch.empty_like(out))
-        assert torch.equal(out, ref), (m, describe(cfg))
+    _written_accurate_and_bitwise(cfg, plain, shape, (1, 63, 64, 65, 1000, 4097))
 
 
 def test_wgmma_ws_falls_back_where_tma_cannot_read_the_rows():
