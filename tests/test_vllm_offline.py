@@ -257,7 +257,7 @@ def test_mtp_draft_routes_with_the_targets_settings(tmp_path, run_offline, extra
     _check_gate_records(result, model, mode, model="draft")
     lines = [ln for ln in result["log"].splitlines() if "vllm-router-ext: router precision" in ln]
     assert len(lines) == 2, lines
-    assert any("(class DeepseekV3ForCausalLM);" in ln for ln in lines)
+    assert any("(DeepseekV3ForCausalLM); weight" in ln and "(class " not in ln for ln in lines), lines
     assert any("1 gate(s) in " in ln and "(class DeepSeekMTP);" in ln for ln in lines)
     assert all(f"batch-invariant {'on' if bi else 'off'}" in ln for ln in lines)
 

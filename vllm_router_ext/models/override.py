@@ -144,16 +144,19 @@ class RouterPrecisionMixin:
         for g in gates:
             key = (g.router_settings, g.weight.dtype, g.weight.device, g.router_weight_kept_bf16)
             by_settings.setdefault(key, []).append(g)
+        cls = type(self).__name__
         for (settings, wdtype, _device, kept_bf16), group in by_settings.items():
             weight_note = str(wdtype).replace("torch.", "")
             if settings.precision is RouterPrecision.FP32:
                 weight_note += " (kept: the checkpoint's values are exactly bf16)" if kept_bf16 else ""
+            # the class is named where it is not the architecture already named (a draft, a subclass)
+            named = settings.model == cls or settings.model.endswith(f"({cls})")
+            where = settings.model if named else f"{settings.model} (class {cls})"
             logger.info(
-                "vllm-router-ext: %s; %d gate(s) in %s (class %s); weight %s; logits %s; implementation: %s",
+                "vllm-router-ext: %s; %d gate(s) in %s; weight %s; logits %s; implementation: %s",
                 settings.describe(),
                 len(group),
-                settings.model,
-                type(self).__name__,
+                where,
                 weight_note,
                 "float32" if settings.precision.logits_dtype == torch.float32 else "model dtype",
                 describe_implementation(settings, group[0].weight),
