@@ -94,13 +94,14 @@ def gen():
 @pytest.fixture(scope="session")
 def vllm_dist(tmp_path_factory):
     """vLLM config + a 1-process gloo group, so vLLM layers can be built in-process (no engine)."""
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm_configs import engine_free_config
 
     import vllm_router_ext
 
     vllm_router_ext.register()
-    cfg = VllmConfig()
+    cfg = engine_free_config()
     ctx = set_current_vllm_config(cfg)
     ctx.__enter__()
     init_file = tmp_path_factory.mktemp("dist") / "init"

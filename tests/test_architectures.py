@@ -29,10 +29,11 @@ def _process_environment_restored():
 
 
 def _vllm_config(path: Path, parallel_config):
-    from vllm.config import ModelConfig, VllmConfig
+    from vllm.config import ModelConfig
+    from vllm_configs import engine_free_config
 
     model_config = ModelConfig(model=str(path), dtype="bfloat16", max_model_len=256)
-    return VllmConfig(model_config=model_config, parallel_config=parallel_config)
+    return engine_free_config(model_config=model_config, parallel_config=parallel_config)
 
 
 def _moe_block(cfg, *, drop_shared_experts: bool = False):
@@ -158,9 +159,10 @@ def test_each_family_model_builds_its_routers_at_the_setting(vllm_dist, tmp_path
     of fp64. MiniMax-M2 runs here only: vLLM's CPU router refuses its sigmoid scoring."""
     from safetensors.torch import load_file
     from vllm import ModelRegistry
-    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import ModelConfig, set_current_vllm_config
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
     from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm_configs import engine_free_config
 
     from vllm_router_ext.families import family_of
     from vllm_router_ext.layers.gate import RouterGateLinear
@@ -170,7 +172,7 @@ def test_each_family_model_builds_its_routers_at_the_setting(vllm_dist, tmp_path
     path = build_tiny_family(tmp_path / family, family)
     arch = FAMILY_PRESETS[family]["architectures"][0]
     model_config = ModelConfig(model=str(path), dtype="bfloat16", max_model_len=256)
-    cfg = VllmConfig(
+    cfg = engine_free_config(
         model_config=model_config,
         parallel_config=vllm_dist.parallel_config,
         additional_config={"router_precision": mode},

@@ -351,39 +351,104 @@ def test_cli_flags_in_vllm_serve_parser(vllm_dist):
     assert e.value.code == 2
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.33.0", "0.33.1.dev4+g1234abc"])
-def test_supported_vllm_versions_load(version):
-    from vllm_router_ext._plugin import check_vllm_version
+@pytest.mark.parametrize(
+    "version,expect",
+    [("0.32.0", True), ("0.32.0+cpu", True), ("0.33.0", True), ("0.34.0", True),
+     ("0.34.1.dev4+g1234abc", True), ("0.31.2", False), ("0.35.0", False), ("1.0.0", False),
+     ("nightly", False)],
+)  # fmt: skip
+def test_tested_vllm_releases(version, expect):
+    from vllm_router_ext._plugin import tested
 
-    check_vllm_version(version)
-
-
-@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "nightly"])
-def test_an_unsupported_vllm_is_named_with_the_supported_ones(version):
-    from vllm_router_ext._plugin import UnsupportedVllmError, check_vllm_version
-
-    with pytest.raises(UnsupportedVllmError) as e:
-        check_vllm_version(version)
-    msg = str(e.value)
-    assert f"this is vLLM {version}." in msg and "supports vLLM 0.32.x and 0.33.x" in msg
-    assert "pip install 'vllm>=0.32,<0.34'" in msg and "VLLM_PLUGINS" in msg
+    assert tested(version) is expect
 
 
-def test_vllm_loading_the_plugin_on_an_unsupported_vllm_stops_with_that_error(tmp_path):
-    """Through vLLM's own plugin loader (as every vLLM process runs it): the last line says what is
-    wrong and what to do, nothing from deep inside vLLM."""
+def test_this_vllm_has_every_hook_the_plugin_uses():
+    from vllm_router_ext._plugin import missing_hooks
+
+    assert missing_hooks() == []
+
+
+def _vllm_process(tmp_path, setup: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """The ``vllm`` command (``argv``) in a fresh process, after ``setup`` ran in it."""
     code = (
-        "import vllm; vllm.__version__ = '0.34.0'\n"
-        "from vllm.plugins import load_general_plugins\n"
-        "load_general_plugins()\n"
+        f"import sys\n{setup}\nsys.argv = {['vllm', *argv]!r}\n"
+        "from vllm.entrypoints.cli.main import main\n"
+        "if __name__ == '__main__':\n    main()\n"
     )
-    p = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path
     )
-    assert p.returncode == 1
-    last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("vllm_router_ext._plugin.UnsupportedVllmError: vllm-router-ext supports vLLM")
-    assert "0.32.x and 0.33.x; this is vLLM 0.34.0" in last
+
+
+def _plugin_lines(p: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in (p.stdout + p.stderr).splitlines() if "vllm-router-ext" in line]
+
+
+_FAKE_VERSION = "import vllm, vllm.version\nvllm.__version__ = vllm.version.__version__ = '0.99.0'"
+
+
+def test_an_untested_vllm_with_every_hook_loads_the_plugin_with_one_warning(tmp_path):
+    p = _vllm_process(tmp_path, _FAKE_VERSION, ["serve", "--help=vllm-router-ext"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    lines = _plugin_lines(p)
+    warning = [line for line in lines if "is not a release this plugin was tested with" in line]
+    assert len(warning) == 1 and "vLLM 0.99.0" in warning[0] and "0.32.x, 0.33.x and 0.34.x" in warning[0]
+    assert "--router-precision" in p.stdout  # loaded: its flags are there
+
+
+def test_vllm_version_works_with_the_plugin_on_an_untested_vllm(tmp_path):
+    p = _vllm_process(tmp_path, _FAKE_VERSION, ["--version"])
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert len(_plugin_lines(p)) == 1
+
+
+_NO_FORCE_FP32 = """
+from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+def init(self, input_size, output_size, bias=False, out_dtype=None, params_dtype=None,
+         skip_bias_add=False, quant_config=None, prefix="", return_bias=True):
+    raise AssertionError("never built here")
+GateLinear.__init__ = init
+"""
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["serve", "--help"]])
+def test_a_vllm_without_a_hook_runs_without_the_plugin(tmp_path, argv):
+    """A vLLM whose GateLinear lost a constructor argument the plugin passes: vLLM's commands
+    work, and one error line names the hook, the tested releases and both ways out."""
+    p = _vllm_process(tmp_path, _NO_FORCE_FP32, argv)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    lines = _plugin_lines(p)
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line.startswith("vllm-router-ext is not loaded: vLLM ")
+    assert "GateLinear(force_fp32_compute=...)" in line
+    assert "0.32.x, 0.33.x and 0.34.x" in line and "pip install 'vllm>=0.32,<0.35'" in line
+    assert "VLLM_PLUGINS=" in line and "without router_ext" in line
+    if argv[0] == "serve":
+        assert "--router-precision" not in p.stdout  # not loaded: no flags of ours
+
+
+def test_a_router_flag_on_a_vllm_without_the_plugin_is_vllms_unknown_argument(tmp_path):
+    p = _vllm_process(tmp_path, _NO_FORCE_FP32, ["serve", "m", "--router-precision", "fp32"])
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    assert "unrecognized arguments: --router-precision" in p.stderr or "--router-precision" in p.stderr
+    assert len(_plugin_lines(p)) == 1
+
+
+def test_a_plugin_failure_at_registration_never_breaks_vllm(tmp_path):
+    """Whatever goes wrong inside the plugin's registration, vLLM goes on without it: one line."""
+    setup = (
+        "import vllm_router_ext.cli as c\n"
+        "def boom():\n    raise KeyError('surprise')\n"
+        "c.install_cli_flags = boom"
+    )
+    p = _vllm_process(tmp_path, setup, ["--version"])
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    lines = _plugin_lines(p)
+    assert len(lines) == 1 and "KeyError" in lines[0] and "surprise" in lines[0]
 
 
 def test_a_bad_table_override_stops_the_model_build(vllm_dist, table_env):
