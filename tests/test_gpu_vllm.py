@@ -105,6 +105,8 @@ SPECS: dict[str, Spec] = {
     "v3-batch-invariant": Spec(
         "deepseek-v3", ("--router-batch-invariant",), env={"VLLM_BATCH_INVARIANT": "1"}
     ),
+    # The router's batch invariance alone (vLLM's own batch-invariant kernels compile per shape).
+    "v3-router-batch-invariant": Spec("deepseek-v3", ("--router-batch-invariant",)),
     "v3-capture": Spec("deepseek-v3", eager=True),  # the capture records in eager mode only
     # Other families: Qwen3-MoE's auto keeps vLLM's gate, so the flag asks; gpt-oss has a gate bias.
     "qwen3-moe-fp32": Spec("qwen3-moe", ("--router-precision", "fp32")),
@@ -115,9 +117,23 @@ SPECS: dict[str, Spec] = {
     "deepseek-v3.2": Spec("deepseek-v3.2"),
     "glm-5": Spec("glm-5"),
 }
+#: Served with vLLM's JIT monitor in error mode (where vLLM has it): a kernel compiled after
+#: the warm-up kills the engine, so every request after it fails.
+JIT_CHECKED = ["v3-fp32", "v3-bf16-fp32out", "v3-router-batch-invariant", "kimi-k2", "minimax-m2", "v3-mtp"]
 DSA = ("deepseek-v3.2", "glm-5")  # sparse attention: vLLM's indexer kernels and graph mode differ
 SERVED = [s for s in SPECS if s != "v3-capture"]
 TAPPED = SERVED
+
+
+def _has_jit_monitor() -> bool:
+    try:
+        from vllm.config import ObservabilityConfig
+    except ImportError:
+        return False
+    return "jit_monitor_mode" in getattr(ObservabilityConfig, "__dataclass_fields__", {})
+
+
+_HAS_JIT_MONITOR = _WHY is None and _has_jit_monitor()
 
 
 class Servers:
@@ -151,6 +167,8 @@ class Servers:
             ]  # fmt: skip
             if name == "v3-capture":
                 args += ["--router-capture", str(work / "capture"), "--router-capture-tokens", "4096"]
+            if name in JIT_CHECKED and _HAS_JIT_MONITOR:
+                args += ["--jit-monitor-mode", "error"]
             args += ["--worker-extension-cls", TAP]
             env = {"VLLM_SERVER_DEV_MODE": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", **spec.env}
             self.servers[name] = start_server(self.models[name], work, *args, env=env, eager=spec.eager)
@@ -423,3 +441,46 @@ def test_load_32_clients_with_bad_requests_mixed_in(servers, spec):
     refused = [ln for ln in errors if "Exception caught. Request id" in ln]
     assert errors == refused and len(refused) <= len(statuses["bad"]), errors[:5]
     assert time.monotonic() - t0 < 300
+
+
+#: Prompt lengths (tokens) sent one at a time: every size to 17, then every bucket edge of the
+#: choice's heuristic and table and a stride through the rest, so the steps' token counts sweep
+#: 1..2040 through many (launch, M mod 16) classes.
+SWEEP_LENGTHS = sorted(
+    {*range(1, 18), *range(18, 2041, 23), 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257,
+     511, 512, 513, 1023, 1024, 1025, 1535, 2040}
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", JIT_CHECKED)
+def test_no_router_kernel_compiles_after_the_warm_up(servers, spec):
+    """With vLLM's JIT monitor in error mode, steps of every size (single prompts of 1..2040
+    tokens, batches of 2..64 prompts, long prompts with decode beside them) all answer 200, and the
+    log holds no JIT compile of this plugin's kernels; the warm-up's line says what it ran."""
+    if not _HAS_JIT_MONITOR:
+        pytest.skip("this vLLM has no JIT monitor (--jit-monitor-mode: vLLM 0.33 and later)")
+    server = servers.get(spec)
+    gen = torch.Generator().manual_seed(len(spec))
+    name = server.model_name()
+
+    def ids(n: int) -> list[int]:  # fresh token ids: no prefix-cache hit shortens a prefill
+        return torch.randint(16, 2000, (n,), generator=gen).tolist()
+
+    def send(prompt: list[int], max_tokens: int = 1) -> int:
+        body = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        return server.post("/v1/completions", body)[0]
+
+    statuses = [send(ids(n)) for n in SWEEP_LENGTHS]
+    for batch in (2, 3, 5, 8, 13, 21, 34, 64):
+        statuses += _concurrently(lambda n: send(ids(n), 8), [7 + 11 * i for i in range(batch)])
+    statuses += _concurrently(lambda n: send(ids(n), 24), [1800, 900, 3, 5, 400, 2, 1500, 17])
+    assert set(statuses) == {200}, sorted(set(statuses))
+    with urllib.request.urlopen(server.base_url + "/health", timeout=10) as r:
+        assert r.status == 200
+    log = server.log()
+    compiled = [ln for ln in log.splitlines() if "JIT compilation during inference" in ln]
+    ours = ("_gemv_kernel", "_splitk_", "_tiled_kernel", "_wgmma_ws_kernel")
+    assert not [ln for ln in compiled if any(k in ln for k in ours)], compiled[:5]
+    assert not compiled, compiled[:5]  # vLLM's own kernels too: the engine would have died
+    warmed = [ln for ln in log.splitlines() if "warmed the router kernels" in ln]
+    assert warmed and all(" launches in " in ln for ln in warmed), log[-3000:]

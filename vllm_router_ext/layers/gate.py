@@ -17,7 +17,9 @@ import torch
 from vllm.logger import init_logger
 from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
+from vllm_router_ext._plugin import ENTRY_POINT
 from vllm_router_ext.ops.native import router_gemm_native
 from vllm_router_ext.ops.router_gemm import fp32_weight_terms, router_gemm
 from vllm_router_ext.precision import (
@@ -157,6 +159,46 @@ class RouterGateMixin:
             gemm = RouterPrecision.BF16_FP32OUT
         self._adds_bias = adds_bias
         self.router_gemm = RouterGemm(gemm, settings.batch_invariant)
+        # The kernels are warmed once the weight is final (_RouterGateMethod): for the model's
+        # activation dtype (the default dtype while vLLM builds it) and every step size it runs.
+        self._router_x_dtype = torch.get_default_dtype()
+        self._router_max_tokens = _max_tokens_per_step()
+        if type(self.quant_method) is UnquantizedLinearMethod:
+            self.quant_method = _RouterGateMethod()
+
+    def _takes_over(self) -> bool:
+        """Whether this gate runs our op (also while GateLinear's constructor is still running)."""
+        settings = getattr(self, "router_settings", _UNSET)
+        if settings is not _UNSET:
+            return settings is not None
+        building = _SETTINGS.get()
+        return building is not None and building.owns_gates and self.is_unquantized
+
+    # vLLM (0.34) registers start-up compiles of the GateLinear tiers a gate may run; a gate of
+    # ours runs none of them, so it registers none.
+    def _register_sm90_bf16x3_warmup(self) -> None:
+        if not self._takes_over():
+            super()._register_sm90_bf16x3_warmup()
+
+    def _register_ll_fp32w_warmup(self) -> None:
+        if not self._takes_over():
+            super()._register_ll_fp32w_warmup()
+
+    def warm_up_router_kernels(self) -> int:
+        """Compile every kernel variant this gate can launch for 1..max tokens per step (CUDA;
+        once per process for each distinct gate); the number of launches run."""
+        if self.router_settings is None:
+            return 0
+        from vllm_router_ext.ops.warmup import warm_up_gate
+
+        return warm_up_gate(
+            self.weight,
+            self.router_gemm.precision,
+            self.router_gemm.batch_invariant,
+            self._router_x_dtype,
+            self._router_max_tokens,
+            self.router_weight_terms,
+        )
 
     def set_out_dtype(self, out_dtype: torch.dtype) -> None:
         if self.router_settings is None:
@@ -225,6 +267,29 @@ class RouterGateMixin:
             self.router_capture = None
 
 
+class _RouterGateMethod(UnquantizedLinearMethod):
+    """vLLM's unquantized linear method, then the warm-up of the gate's kernels: every weight
+    loader (dummy weights and reloads too) runs this once the weights are final, before vLLM
+    arms its JIT monitor."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        layer.warm_up_router_kernels()
+
+
+def _max_tokens_per_step() -> int:
+    """The most tokens one forward pass of the model being built takes (0: no engine config)."""
+    from vllm.config import get_current_vllm_config
+
+    config = get_current_vllm_config()
+    scheduled = getattr(config.scheduler_config, "max_num_batched_tokens", None) or 0
+    graphs = getattr(config.compilation_config, "cudagraph_capture_sizes", None) or [0]
+    return max(int(scheduled), *map(int, graphs))
+
+
+_UNSET = object()
+
+
 class RouterGateLinear(RouterGateMixin, GateLinear):
     """``GateLinear`` whose GEMM runs in a resolved :class:`RouterPrecision`."""
 
@@ -285,7 +350,7 @@ def register_gate_linear(model: str = "this model") -> None:
             f"vllm-router-ext: {model} asks for router settings of ours, but vLLM's GateLinear is "
             f"replaced by {current.__module__}.{current.__qualname__} from another plugin. Choose one: "
             "list the plugins vLLM may load in VLLM_PLUGINS (comma-separated entry-point names; "
-            "vllm_router_ext is ours), or leave the router settings unset (auto) to keep the other "
+            f"{ENTRY_POINT} is ours), or leave the router settings unset (auto) to keep the other "
             "plugin's gate"
         )
     for sub in _all_subclasses(GateLinear):

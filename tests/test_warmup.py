@@ -1,0 +1,207 @@
+"""The warm-up compiles every kernel variant serving can reach: swept through the real CUDA
+dispatch with an H200's facts and table, every Triton launch's compile key (the kernel, Triton's
+own specialisation of each argument, the launch options) is recorded instead of run; the keys of
+the warm-up's token counts equal those of every token count 1..max."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import vllm_router_ext.ops.choice as choice
+from vllm_router_ext.ops.warmup import scan_limit, warmup_sizes
+from vllm_router_ext.precision import RouterPrecision, RouterSettings
+
+H200 = choice.Device("NVIDIA H200", 132, 90, cublas=True, gluon=True)
+H100 = choice.Device("NVIDIA H100 80GB HBM3", 132, 90, cublas=True, gluon=True)  # no table: heuristic
+FP32, BF16_FP32OUT = RouterPrecision.FP32, RouterPrecision.BF16_FP32OUT
+
+
+class CompileKeys:
+    """Replaces every kernel of the library with a recorder of Triton's compile key for sm_90."""
+
+    KERNELS = (
+        ("csrc_triton.router_gemm_gemv", "_gemv_kernel"),
+        ("csrc_triton.router_gemm_splitk", "_splitk_partials_kernel"),
+        ("csrc_triton.router_gemm_splitk", "_splitk_reduce_kernel"),
+        ("csrc_triton.router_gemm_tiled", "_tiled_kernel"),
+        ("csrc_triton.router_gemm_wgmma_ws", "_wgmma_ws_kernel"),
+    )
+
+    def __init__(self, monkeypatch):
+        import importlib
+
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler.compiler import make_backend
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+
+        backend = make_backend(GPUTarget("cuda", 90, 32))
+        self.keys: set = set()
+        for module_name, name in self.KERNELS:
+            module = importlib.import_module(module_name)
+            kernel = getattr(module, name)
+            fn = getattr(kernel, "fn", kernel)  # the interpreter wraps the Python function
+            params = kernel.params if hasattr(kernel, "params") else JITFunction(fn).params
+            signature = getattr(kernel, "signature", None) or JITFunction(fn).signature
+            binder = create_function_from_signature(signature, params, backend)
+            monkeypatch.setattr(module, name, _Recorder(name, binder, self.keys))
+        # as on an H200: compiled code (no interpreter upcast) and PDL launches
+        for module_name in ("csrc_triton.router_gemm_splitk", "csrc_triton.router_gemm_tiled"):
+            monkeypatch.setattr(importlib.import_module(module_name), "interpreting", lambda: False)
+        for module_name in ("csrc_triton.router_gemm_splitk", "csrc_triton.router_gemm_wgmma_ws"):
+            monkeypatch.setattr(importlib.import_module(module_name), "pdl_enabled", lambda device: True)
+        monkeypatch.setattr(choice, "interpreting", lambda: False)
+        # cuBLAS compiles nothing; on CPU tensors it has no bf16 x bf16 -> fp32 GEMM
+        import vllm_router_ext.ops.dispatch as dispatch
+
+        cublas = lambda x, w, dtype: torch.empty((x.shape[0], w.shape[0]), dtype=dtype)  # noqa: E731
+        monkeypatch.setattr(dispatch, "_cublas", cublas)
+
+
+class _Recorder:
+    def __init__(self, name, binder, keys):
+        self.name, self.binder, self.keys = name, binder, keys
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            _, specialization, options = self.binder(*args, **kwargs)
+            self.keys.add((self.name, tuple(specialization), tuple(sorted(options.items()))))
+
+        return launch
+
+
+def _keys_of(recorder, sizes, k, n, precision, batch_invariant, weight_dtype) -> set:
+    from vllm_router_ext.ops.dispatch import router_gemm_cuda
+    from vllm_router_ext.ops.router_gemm import fp32_weight_terms
+
+    recorder.keys.clear()
+    x = torch.zeros((max(sizes), k), dtype=torch.bfloat16)
+    w = torch.zeros((n, k), dtype=weight_dtype)
+    terms = fp32_weight_terms(w) if weight_dtype == torch.float32 and not batch_invariant else None
+    for m in sizes:
+        router_gemm_cuda(x[:m], w, precision, batch_invariant, terms)
+    return set(recorder.keys)
+
+
+CASES = [
+    # (device, K, N, mode, batch-invariant, weight dtype, largest step)
+    (H200, 7168, 256, FP32, False, torch.bfloat16, 8192),  # DeepSeek-V3
+    (H200, 7168, 256, BF16_FP32OUT, False, torch.bfloat16, 8192),
+    (H200, 7168, 256, FP32, True, torch.bfloat16, 8192),
+    (H200, 7168, 384, FP32, False, torch.bfloat16, 4096),  # Kimi-K2
+    (H200, 3072, 256, FP32, False, torch.float32, 2048),  # MiniMax-M2: an fp32 weight (its terms from 1024)
+    (H100, 4096, 160, FP32, False, torch.bfloat16, 2048),  # no table: the heuristic, a 128 + 32 tile
+]
+
+
+@pytest.mark.parametrize("device,k,n,precision,bi,weight_dtype,max_m", CASES)
+def test_the_warm_up_compiles_what_every_step_size_compiles(
+    monkeypatch, device, k, n, precision, bi, weight_dtype, max_m
+):
+    problem = choice.Problem(1, k, n, precision, bi, torch.bfloat16, weight_dtype, device,
+                             weight_terms=weight_dtype == torch.float32 and not bi)  # fmt: skip
+    sizes = warmup_sizes(problem, max_m)
+    assert sizes[0] == 1 and sizes[-1] <= max_m and list(sizes) == sorted(set(sizes))
+    recorder = CompileKeys(monkeypatch)
+    monkeypatch.setattr(choice, "CPU_INTERPRETER", device)  # Problem.of's device for CPU tensors
+    every = _keys_of(recorder, range(1, max_m + 1), k, n, precision, bi, weight_dtype)
+    warmed = _keys_of(recorder, sizes, k, n, precision, bi, weight_dtype)
+    assert warmed == every, sorted(every - warmed)
+    kernels = {key[0] for key in every}
+    assert "_splitk_partials_kernel" in kernels or "_gemv_kernel" in kernels
+    if precision is FP32 and not bi and max_m >= choice.WGMMA_WS_FROM_M:
+        assert "_wgmma_ws_kernel" in kernels  # the prefill kernel is in the sweep, so in the warm-up
+    # far fewer launches than token counts: one per class, not per M
+    assert len(sizes) < max_m // 10
+
+
+@pytest.mark.parametrize("device,k,n,precision,bi,weight_dtype,max_m", CASES)
+def test_nothing_changes_above_the_scan(device, k, n, precision, bi, weight_dtype, max_m):
+    """The warm-up scans the choice up to :func:`scan_limit`; above it the launch stays."""
+    problem = choice.Problem(1, k, n, precision, bi, torch.bfloat16, weight_dtype, device,
+                             weight_terms=weight_dtype == torch.float32 and not bi)  # fmt: skip
+    limit = scan_limit(problem)
+    at_limit = choice.choose(dataclasses.replace(problem, m=limit))
+    for m in (limit + 1, limit + 17, 2 * limit, 65536, 262144):
+        assert choice.choose(dataclasses.replace(problem, m=m)) == at_limit, m
+
+
+def test_a_table_bucket_anywhere_is_warmed(monkeypatch, table_env, tmp_path):
+    """A bucket a retune adds at any M (here 3001..3003) gets its own warm-up launches."""
+    import json
+
+    from csrc_triton.launches import SplitKLaunch, to_bucket
+
+    odd = SplitKLaunch(32, 32, 64, 1024, promote_chunks=2)
+    buckets = [{"max_m": 3000, **to_bucket(SplitKLaunch(16, 32, 128, 512, promote_chunks=2))},
+               {"max_m": 3003, **to_bucket(odd)}, {"max_m": None, "kernel": "tiled", "block_m": 64,
+               "block_n": 64, "block_k": 64, "promote_chunks": 2}]  # fmt: skip
+    table = {"device": "NVIDIA H200", "shapes": {"1024x64": {"fp32": buckets}}}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+    table_env(str(path))
+    problem = choice.Problem(1, 1024, 64, FP32, False, torch.bfloat16, torch.bfloat16, H200)
+    sizes = warmup_sizes(problem, 4096)
+    assert {3001, 3002, 3003} <= set(sizes)
+    assert {choice.choose(dataclasses.replace(problem, m=m)).block_m for m in (3001, 3002, 3003)} == {32}
+
+
+def test_a_gate_of_ours_warms_its_kernels_once_its_weight_is_final(vllm_dist, monkeypatch, gen):
+    """vLLM's loaders (dummy weights too) call the quant method's process_weights_after_loading:
+    our gate's warms its kernels there, for the model's activation dtype and the engine's
+    largest step."""
+    import vllm_router_ext.ops.warmup as warmup
+    from vllm_router_ext.layers.gate import router_settings_scope
+
+    calls = []
+    monkeypatch.setattr(warmup, "warm_up_gate", lambda *args: calls.append(args) or 0)
+    monkeypatch.setattr(vllm_dist.scheduler_config, "max_num_batched_tokens", 3000)
+    with router_settings_scope(RouterSettings(FP32, "test", batch_invariant=True)):
+        gate = _gate()
+    gate.weight_loader(gate.weight, (torch.randn(8, 64, generator=gen) / 8).to(torch.bfloat16))
+    gate.quant_method.process_weights_after_loading(gate)
+    assert len(calls) == 1
+    weight, precision, batch_invariant, x_dtype, max_m, terms = calls[0]
+    assert weight is gate.weight and precision is FP32 and batch_invariant
+    assert x_dtype == torch.bfloat16 and max_m >= 3000 and terms is None
+    stock = _gate()  # outside the scope: vLLM's own method, no warm-up of ours
+    stock.quant_method.process_weights_after_loading(stock)
+    assert len(calls) == 1
+
+
+def test_a_gate_of_ours_registers_none_of_vllms_gate_warm_ups(vllm_dist):
+    """vLLM 0.34's GateLinear registers start-up compiles of its own tiers; ours runs none."""
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    from vllm_router_ext.layers.gate import router_settings_scope
+
+    hooks = [
+        h for h in ("_register_sm90_bf16x3_warmup", "_register_ll_fp32w_warmup") if hasattr(GateLinear, h)
+    ]
+    if not hooks:
+        pytest.skip("this vLLM's GateLinear registers no warm-up of its own (before 0.34)")
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+
+    with router_settings_scope(RouterSettings(FP32, "test")):
+        ours = _gate()
+    ours.allow_bf16x3_router_gemm = ours.allow_ll_fp32w_gemm = True  # as on a Hopper GPU
+    ours.allow_fp32_router_gemm = False
+    stock = _gate()
+    stock.allow_bf16x3_router_gemm = stock.allow_ll_fp32w_gemm = True
+    stock.allow_fp32_router_gemm = False
+    for gate, expect in ((ours, 0), (stock, 1)):
+        registry = JitWarmupRegistry(vllm_dist)
+        with registry.activate():
+            for hook in hooks:
+                getattr(gate, hook)()
+        assert (len(registry) > 0) == bool(expect), (gate, hook)
+
+
+def _gate(input_size=64, output_size=8):
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_default_torch_dtype(torch.bfloat16):
+        return GateLinear(input_size, output_size, prefix="model.layers.3.mlp.gate")

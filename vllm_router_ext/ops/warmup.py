@@ -1,0 +1,116 @@
+"""Every kernel a gate can launch, compiled before serving.
+
+A Triton kernel compiles once per set of compile-time arguments (the launch the choice makes) and
+per specialisation of its integer arguments: Triton treats an integer equal to 1 as a constant and
+records whether it is divisible by 16. Every integer the launchers pass is the token count M, a
+fixed size of the gate, or a product of the two, so M == 1 and M mod 16 decide them all. For a gate,
+:func:`warmup_sizes` names one M for each (launch, M == 1, M mod 16) class that any M from 1 to the
+engine's largest step falls in; :func:`warm_up_gate` runs the op once at each, which compiles (or
+loads from Triton's cache) every variant serving can reach. vLLM arms its JIT monitor
+(``--jit-monitor-mode``) only after the model is loaded, so nothing compiles after that.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+import vllm_router_ext.ops.choice as choice
+from csrc_triton import tables
+from vllm_router_ext.precision import RouterPrecision
+
+# Under "vllm." so that, inside vLLM, its handlers and format apply (no vLLM import here).
+logger = logging.getLogger(f"vllm.{__name__}")
+
+#: Triton's integer specialisation: divisibility by this (and equality to 1).
+SPECIALISATION_DIVISOR = 16
+
+
+def scan_limit(p: choice.Problem) -> int:
+    """Above this M the choice no longer changes for ``p``'s gate: past the heuristic's largest
+    threshold and every bucket end the table has for the gate (and its fp32 weight's terms), plus
+    one round of residues."""
+    shapes = tables.load_table(p.device.name).get("shapes", {})
+    ends = [
+        bucket["max_m"]
+        for n in (p.n, 3 * p.n)
+        for buckets in shapes.get(f"{p.k}x{n}", {}).values()
+        if isinstance(buckets, list)  # beside the buckets: notes such as the model's name
+        for bucket in buckets
+        if bucket.get("max_m")
+    ]
+    return max([choice.BUCKET_SCAN_TO, *(e + 1 for e in ends)]) + SPECIALISATION_DIVISOR
+
+
+def warmup_sizes(p: choice.Problem, max_m: int) -> tuple[int, ...]:
+    """The smallest M of every (launch, M == 1, M mod 16) class among M = 1..``max_m`` for
+    ``p``'s gate (its ``m`` is ignored), ascending."""
+    first: dict[tuple, int] = {}
+    for m in range(1, min(max_m, scan_limit(p)) + 1):
+        first.setdefault((choice.choose(replace(p, m=m)), m == 1, m % SPECIALISATION_DIVISOR), m)
+    return tuple(sorted(first.values()))
+
+
+@dataclass(frozen=True)
+class GateSignature:
+    """What the choice and the kernels' compiled variants depend on for one gate."""
+
+    device: int
+    k: int
+    n: int
+    precision: RouterPrecision
+    batch_invariant: bool
+    x_dtype: torch.dtype
+    weight_dtype: torch.dtype
+    weight_terms: bool
+
+
+_WARMED: set[GateSignature] = set()
+
+
+def warm_up_gate(
+    weight: torch.Tensor,
+    precision: RouterPrecision,
+    batch_invariant: bool,
+    x_dtype: torch.dtype,
+    max_m: int,
+    weight_terms: torch.Tensor | None = None,
+) -> int:
+    """Run the router op once per :func:`warmup_sizes` M for this gate (CUDA only; once per
+    process for each distinct gate); the number of launches run."""
+    if not weight.is_cuda or max_m < 1:
+        return 0
+    sig = GateSignature(
+        weight.device.index or 0, weight.shape[1], weight.shape[0], precision, batch_invariant,
+        x_dtype, weight.dtype, weight_terms is not None,
+    )  # fmt: skip
+    if sig in _WARMED:
+        return 0
+    from vllm_router_ext.ops.router_gemm import router_gemm
+
+    start = time.perf_counter()
+    with torch.cuda.device(weight.device):
+        x_template = torch.empty((1, sig.k), dtype=x_dtype, device=weight.device)
+        problem = choice.Problem.of(x_template, weight, precision, batch_invariant, sig.weight_terms)
+        sizes = warmup_sizes(problem, max_m)
+        x = torch.zeros((sizes[-1], sig.k), dtype=x_dtype, device=weight.device)
+        for m in sizes:
+            router_gemm(x[:m], weight, precision, batch_invariant=batch_invariant, weight_terms=weight_terms)
+        torch.cuda.synchronize(weight.device)
+        del x
+    _WARMED.add(sig)
+    logger.info(
+        "vllm-router-ext: warmed the router kernels of a %dx%d gate (%s%s) for M 1..%d before "
+        "serving: %d launches in %.1f s",
+        sig.k,
+        sig.n,
+        precision.value,
+        ", batch-invariant" if batch_invariant else "",
+        max_m,
+        len(sizes),
+        time.perf_counter() - start,
+    )
+    return len(sizes)
