@@ -117,8 +117,9 @@ SPECS: dict[str, Spec] = {
     "deepseek-v3.2": Spec("deepseek-v3.2"),
     "glm-5": Spec("glm-5"),
 }
-#: Served with vLLM's JIT monitor in error mode (where vLLM has it): a kernel compiled after
-#: the warm-up kills the engine, so every request after it fails.
+#: Served with vLLM's JIT monitor logging every compile after its warm-up (where vLLM has it).
+#: Not its error mode: vLLM's own fused-MoE Triton kernel compiles per new batch size on these
+#: tiny experts (measured on vLLM 0.34.0), and that would kill the engine before ours are judged.
 JIT_CHECKED = ["v3-fp32", "v3-bf16-fp32out", "v3-router-batch-invariant", "kimi-k2", "minimax-m2", "v3-mtp"]
 DSA = ("deepseek-v3.2", "glm-5")  # sparse attention: vLLM's indexer kernels and graph mode differ
 SERVED = [s for s in SPECS if s != "v3-capture"]
@@ -168,7 +169,7 @@ class Servers:
             if name == "v3-capture":
                 args += ["--router-capture", str(work / "capture"), "--router-capture-tokens", "4096"]
             if name in JIT_CHECKED and _HAS_JIT_MONITOR:
-                args += ["--jit-monitor-mode", "error"]
+                args += ["--jit-monitor-mode", "warn", "--jit-monitor-verbose"]
             args += ["--worker-extension-cls", TAP]
             env = {"VLLM_SERVER_DEV_MODE": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", **spec.env}
             self.servers[name] = start_server(self.models[name], work, *args, env=env, eager=spec.eager)
@@ -443,20 +444,23 @@ def test_load_32_clients_with_bad_requests_mixed_in(servers, spec):
     assert time.monotonic() - t0 < 300
 
 
-#: Prompt lengths (tokens) sent one at a time: every size to 17, then every bucket edge of the
-#: choice's heuristic and table and a stride through the rest, so the steps' token counts sweep
-#: 1..2040 through many (launch, M mod 16) classes.
+#: Prompt lengths (tokens) sent one at a time, within the servers' 512-token context: every size
+#: to 17, every bucket edge of the choice to 513, and a stride through the rest; then batches of
+#: prompts make steps of up to ~4000 tokens (prefills side by side, decode beside them).
 SWEEP_LENGTHS = sorted(
-    {*range(1, 18), *range(18, 2041, 23), 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257,
-     511, 512, 513, 1023, 1024, 1025, 1535, 2040}
-)  # fmt: skip
+    {*range(1, 18), *range(18, 500, 23), 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 500}
+)
+BATCHES = [[7 + 7 * i for i in range(n)] for n in (2, 3, 5, 8, 13, 21, 34, 64)] + [
+    [480] * n for n in (2, 3, 4, 5, 8)
+] + [[450, 300, 3, 5, 400, 2, 250, 17]]  # fmt: skip
 
 
 @pytest.mark.parametrize("spec", JIT_CHECKED)
 def test_no_router_kernel_compiles_after_the_warm_up(servers, spec):
-    """With vLLM's JIT monitor in error mode, steps of every size (single prompts of 1..2040
-    tokens, batches of 2..64 prompts, long prompts with decode beside them) all answer 200, and the
-    log holds no JIT compile of this plugin's kernels; the warm-up's line says what it ran."""
+    """With vLLM's JIT monitor on, steps of every size (single prompts of 1..500 tokens, batches
+    of 2..64 prompts, up to ~4000 tokens a step, decode beside prefills) all answer 200, and the
+    monitor logs no compile of this plugin's kernels after the warm-up; the warm-up's line says
+    what it ran."""
     if not _HAS_JIT_MONITOR:
         pytest.skip("this vLLM has no JIT monitor (--jit-monitor-mode: vLLM 0.33 and later)")
     server = servers.get(spec)
@@ -470,17 +474,17 @@ def test_no_router_kernel_compiles_after_the_warm_up(servers, spec):
         body = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
         return server.post("/v1/completions", body)[0]
 
+    assert max(SWEEP_LENGTHS) + 1 <= 512 and max(map(max, BATCHES)) + 8 <= 512  # the servers' context
     statuses = [send(ids(n)) for n in SWEEP_LENGTHS]
-    for batch in (2, 3, 5, 8, 13, 21, 34, 64):
-        statuses += _concurrently(lambda n: send(ids(n), 8), [7 + 11 * i for i in range(batch)])
-    statuses += _concurrently(lambda n: send(ids(n), 24), [1800, 900, 3, 5, 400, 2, 1500, 17])
+    for batch in BATCHES:
+        statuses += _concurrently(lambda n: send(ids(n), 8), batch)
     assert set(statuses) == {200}, sorted(set(statuses))
     with urllib.request.urlopen(server.base_url + "/health", timeout=10) as r:
         assert r.status == 200
     log = server.log()
     compiled = [ln for ln in log.splitlines() if "JIT compilation during inference" in ln]
     ours = ("_gemv_kernel", "_splitk_", "_tiled_kernel", "_wgmma_ws_kernel")
+    assert "Kernel JIT monitor activated" in log
     assert not [ln for ln in compiled if any(k in ln for k in ours)], compiled[:5]
-    assert not compiled, compiled[:5]  # vLLM's own kernels too: the engine would have died
     warmed = [ln for ln in log.splitlines() if "warmed the router kernels" in ln]
     assert warmed and all(" launches in " in ln for ln in warmed), log[-3000:]
