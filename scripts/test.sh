@@ -10,13 +10,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_cpu_env.sh
+SERIES=(0.33 0.34)
+if [ "${ROUTER_EXT_SKIP_WHEELS:-0}" != "1" ]; then
+  # The wheel environments install (mostly downloads) while the first suite runs; their log follows it.
+  SETUP_LOG=$(mktemp)
+  ( for series in "${SERIES[@]}"; do bash scripts/setup_vllm_wheel_env.sh "$series" || exit 1; done ) \
+    > "$SETUP_LOG" 2>&1 &
+  SETUP_PID=$!
+fi
 echo "[test] ruff"
 .venv/bin/ruff check vllm_router_ext csrc_triton tests benchmarks scripts
 echo "[test] pytest (vLLM 0.32, CPU build)"
 .venv/bin/pytest -q "$@"  # imports the installed package: the repo root is not on sys.path
 if [ "${ROUTER_EXT_SKIP_WHEELS:-0}" != "1" ]; then
-  for series in 0.33 0.34; do
-    bash scripts/setup_vllm_wheel_env.sh "$series"
+  setup_rc=0
+  wait "$SETUP_PID" || setup_rc=$?
+  cat "$SETUP_LOG" && rm -f "$SETUP_LOG"
+  [ "$setup_rc" -eq 0 ] || { echo "[test] setting up the vLLM wheel environments failed ($setup_rc)"; exit 1; }
+  for series in "${SERIES[@]}"; do
     echo "[test] pytest (vLLM $series, CUDA wheel on CPU: no engine)"
     VLLM_TARGET_DEVICE=cpu ".venv-vllm${series//./}/bin/pytest" -q -m "not vllm and not gpu" \
       tests/test_vllm_plugin.py tests/test_precision.py tests/test_vllm_serve.py tests/test_architectures.py \

@@ -205,3 +205,26 @@ def _gate(input_size=64, output_size=8):
 
     with set_default_torch_dtype(torch.bfloat16):
         return GateLinear(input_size, output_size, prefix="model.layers.3.mlp.gate")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--hidden-size", "7168", "--experts", "256", "--precision", "fp16"], "invalid choice: 'fp16'"),
+        (
+            ["--hidden-size", "0", "--experts", "256", "--precision", "fp32"],
+            "--hidden-size 0: must be at least 1",
+        ),
+        (["--hidden-size", "7168", "--experts", "256", "--precision", "fp32"], "needs a CUDA GPU"),
+    ],
+)
+def test_the_cache_baking_command_refuses_bad_input_in_one_line(argv, message):
+    import subprocess
+    import sys
+
+    if message == "needs a CUDA GPU" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the command would warm it")
+    cmd = [sys.executable, "-m", "vllm_router_ext.ops.warmup", *argv]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert message in p.stderr.strip().splitlines()[-1]

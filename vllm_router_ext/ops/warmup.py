@@ -114,3 +114,48 @@ def warm_up_gate(
         time.perf_counter() - start,
     )
     return len(sizes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vllm_router_ext.ops.warmup``: fill Triton's cache (``TRITON_CACHE_DIR``) with
+    every kernel one gate can launch on this GPU, e.g. while building a container image, so a
+    server started from it warms up from the cache."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_router_ext.ops.warmup",
+        description="Compile every router kernel variant of one gate on this GPU into Triton's cache "
+        "(TRITON_CACHE_DIR), as a server's start-up would.",
+    )
+    parser.add_argument("--hidden-size", type=int, required=True, help="the gate's K (e.g. 7168)")
+    parser.add_argument("--experts", type=int, required=True, help="the gate's N (e.g. 256)")
+    parser.add_argument(
+        "--precision",
+        required=True,
+        choices=[p.value for p in RouterPrecision if p is not RouterPrecision.AUTO],
+    )
+    parser.add_argument("--weight-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--batch-invariant", action="store_true")
+    parser.add_argument("--max-tokens", type=int, default=8192, help="--max-num-batched-tokens of the server")
+    args = parser.parse_args(argv)
+    for name in ("hidden_size", "experts", "max_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (the kernels compile for the GPU they run on)")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    precision = RouterPrecision(args.precision)
+    weight = torch.zeros(
+        (args.experts, args.hidden_size), dtype=getattr(torch, args.weight_dtype), device="cuda"
+    )
+    terms = None
+    if weight.dtype == torch.float32 and precision is RouterPrecision.FP32 and not args.batch_invariant:
+        from vllm_router_ext.ops.router_gemm import fp32_weight_terms
+
+        terms = fp32_weight_terms(weight)
+    warm_up_gate(weight, precision, args.batch_invariant, torch.bfloat16, args.max_tokens, terms)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
