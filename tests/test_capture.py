@@ -390,3 +390,72 @@ def test_passes_outside_the_runners_scheduled_step_are_not_recorded(vllm_dist, m
         runner.execute_model.__wrapped__(None, client)  # the runner's own, unwrapped: not a step
         assert seen == [True, False, False, False], runner
     assert not c._serving_pass()
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_a_capture_is_its_owners_alone_in_progress_complete_and_trimmed(tmp_path, gen, monkeypatch):
+    """Captured activations are user traffic: the directory created for them is 0700, and the
+    file and its JSON are 0600 while rows arrive, once the budget is reached, and once trimmed."""
+    from vllm_router_ext.capture import check_directory
+
+    created = check_directory(tmp_path / "new" / "captures", "--router-capture")
+    assert _mode(created) == 0o700
+    rec = _recorder(created, 6, monkeypatch)
+    _pass(rec, torch.randn(2, 8, generator=gen).to(torch.bfloat16))
+    assert _mode(rec.path) == 0o600 and _mode(rec.path.with_suffix(".json")) == 0o600
+    rec.close()  # trimmed: a new file replaced the laid-out one
+    assert _mode(rec.path) == 0o600 and _mode(rec.path.with_suffix(".json")) == 0o600
+    done = _recorder(created, 2, monkeypatch)
+    _pass(done, torch.randn(3, 8, generator=gen).to(torch.bfloat16))  # budget reached
+    assert done.done and _mode(done.path) == 0o600 and _mode(done.path.with_suffix(".json")) == 0o600
+    assert sorted(p.name for p in created.iterdir()) == sorted(
+        [
+            rec.path.name,
+            rec.path.with_suffix(".json").name,
+            done.path.name,
+            done.path.with_suffix(".json").name,
+        ]
+    )  # no temporary file left behind
+
+
+def test_no_capture_write_follows_a_symbolic_link(tmp_path, gen, monkeypatch):
+    """Links planted where the capture writes (its files, the old temporary names, the write
+    probe's) never carry a write to their targets."""
+    import os
+
+    from vllm_router_ext.capture import check_directory
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    captures = tmp_path / "captures"
+    captures.mkdir()
+    for name in (".router-capture-1-dp0.json.tmp", ".router-capture-1-dp0.safetensors.tmp",
+                 f".router-capture-write-test-{os.getpid()}"):  # fmt: skip
+        (captures / name).symlink_to(victim)
+    check_directory(captures, "--router-capture")
+    rec = _recorder(captures, 4, monkeypatch)
+    _pass(rec, torch.randn(2, 8, generator=gen).to(torch.bfloat16))
+    rec.close()
+    assert victim.read_text() == "precious"
+    # the run's own name taken by a link: refused, not followed
+    (captures / "router-capture-9-dp0.safetensors").symlink_to(victim)
+    settings = CaptureSettings(captures, 4, "test")
+    gates = [GateShape(1, 8, 3, torch.bfloat16)]
+    with pytest.raises(FileExistsError):
+        GateCapture(settings, gates, "router-capture-9-dp0", {"run": 9})
+    assert victim.read_text() == "precious"
+
+
+def test_a_symbolic_link_as_the_capture_directory_is_refused_with_its_target(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(
+        CaptureError, match=r"'.*link' from --router-capture is a symbolic link .*real.*pass the real"
+    ):
+        resolve_capture({"router_capture_dir_cli": str(link)})
+    assert resolve_capture({"router_capture_dir_cli": str(real)}).directory == real

@@ -100,19 +100,51 @@ def parse_gib(value: Any, source: str) -> float:
     return gib
 
 
+#: Captured activations are user traffic: the directory the plugin creates and every file it
+#: writes are its owner's alone, and no write follows a symbolic link or reuses a file.
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
 def check_directory(value: Any, source: str) -> Path:
-    """``value`` as a directory this process can create and write into, else :class:`CaptureError`."""
+    """``value`` as a directory this process can create and write into, else :class:`CaptureError`.
+    A symbolic link is refused (its target is named: pass that); a directory created here is 0700."""
     path = Path(str(value)).expanduser()
+    if path.is_symlink():
+        raise CaptureError(
+            f"router capture directory {str(path)!r} from {source} is a symbolic link (to "
+            f"{os.path.realpath(path)!r}); pass the real directory"
+        )
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".router-capture-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
+        path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        if not path.is_dir():
+            raise NotADirectoryError(f"{str(path)!r} is not a directory")
+        probe = path / f".router-capture-write-test-{os.getpid()}-{os.urandom(4).hex()}"
+        os.close(create_private(probe))
         probe.unlink()
     except OSError as e:
         raise CaptureError(
             f"router capture directory {str(path)!r} from {source} is not writable: {e}"
         ) from e
     return path
+
+
+def create_private(path: Path) -> int:
+    """A new file at ``path``, readable and writable by its owner only, opened for writing: never
+    an existing file, never through a symbolic link (``FileExistsError`` / ``OSError`` instead)."""
+    return os.open(path, _NEW_FILE, FILE_MODE)
+
+
+def _private_temporary(path: Path) -> Path:
+    """A new owner-only file beside ``path`` (a fresh random name), to be renamed over it."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
+        try:
+            os.close(create_private(tmp))
+            return tmp
+        except FileExistsError:
+            continue
 
 
 def next_run(directory: Path) -> int:
@@ -223,10 +255,9 @@ class GateCapture:
         self._lock = threading.Lock()
         self.done = False
         self._offsets, header = _layout(gates, settings.tokens)
-        with open(self.path, "wb") as f:
-            f.write(header)
-            f.truncate(self._offsets["end"])  # sparse: disk is used as rows arrive
-        self._fd = os.open(self.path, os.O_WRONLY)
+        self._fd = create_private(self.path)  # a new run's name: nothing to overwrite
+        os.write(self._fd, header)
+        os.ftruncate(self._fd, self._offsets["end"])  # sparse: disk is used as rows arrive
         self._write_status(complete=False, ended=None)
 
     def record(self, layer: int, x: torch.Tensor, logits: torch.Tensor) -> None:
@@ -308,9 +339,12 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 def _atomic_json(path: Path, value: dict) -> None:
     """Write then rename: a kill mid-write never leaves a torn JSON."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
+    tmp = _private_temporary(path)
+    try:
+        tmp.write_text(json.dumps(value, indent=1), encoding="utf-8")
+        os.replace(tmp, path)  # replaces a symbolic link at ``path`` itself, never its target
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def trim_capture(path: Path, ended: str | None = None) -> str:
@@ -329,9 +363,12 @@ def trim_capture(path: Path, ended: str | None = None) -> str:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 tensors[name] = f.get_slice(name)[: rows[name.split(".")[1]]].contiguous()
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path)
+        tmp = _private_temporary(path)
+        try:
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
     if not meta.get("trimmed"):
         meta["trimmed"] = True
         _atomic_json(meta_path, meta)
