@@ -322,6 +322,10 @@ def test_the_audit_reads_a_capture_directory_and_names_ambiguity(tiny_model, tmp
         AuditError, match="2 router captures .*router-capture-1-dp0, router-capture-2-dp0.*pass"
     ):
         run_audit(tiny_model, hidden_states=tmp_path, device="cpu", progress=False)
+    # as the message says: one file of the two
+    one = tmp_path / "router-capture-2-dp0.safetensors"
+    result = run_audit(tiny_model, hidden_states=one, device="cpu", progress=False)
+    assert result["tokens"] == 12 and list(result["layers"]) == ["1"]
 
 
 def test_each_data_parallel_engine_core_writes_its_own_numbered_file(vllm_dist, tmp_path, gen, monkeypatch):

@@ -187,7 +187,7 @@ def load_hidden_states(
     elif not p.is_file():
         raise AuditError(f"hidden-states file {p} does not exist")
     elif p.suffix == ".safetensors":
-        if capture and not capture.group(3):
+        if capture:  # one capture among several in its directory: its rows as its JSON counts them
             read = read_capture(p.parent, capture.group(1))
             data, info = read.tensors, read.info
         else:
