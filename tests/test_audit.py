@@ -185,6 +185,29 @@ def test_cli_error_exit_code_and_message(tmp_path):
     assert p.returncode == 2 and "vllm-router-audit: error:" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--tokens", "-1"], "argument --tokens: '-1': allowed: a positive integer"),
+        (["--tokens", "0"], "argument --tokens: '0': allowed: a positive integer"),
+        (["--modes", ","], "--modes ',' names no mode; allowed: fp32, bf16-fp32out, bf16"),
+        (["--out", "/proc/no-such-dir/out"], "--out '/proc/no-such-dir/out' is not a writable directory"),
+    ],
+)
+def test_bad_arguments_exit_2_in_one_line_before_any_computation(tiny_model, tmp_path, args, message):
+    import time
+
+    start = time.monotonic()
+    cmd = [sys.executable, "-m", "vllm_router_ext.audit", str(tiny_model), "--no-progress", *args]
+    if "--out" not in args:
+        cmd += ["--out", str(tmp_path / "out")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert message in p.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "out" / "audit.json").exists()
+    assert time.monotonic() - start < 60
+
+
 def _result(layers: list[int], pct: float) -> dict:
     row = {"rel_err": 1e-3, "changed_pct": pct, "changed_tokens": 1, "dw_mean": 0.0, "dw_p99": 0.0}
     per_layer = {str(i): {"fp32": {**row, "changed_pct": 0.0}, "bf16": row} for i in layers}

@@ -38,13 +38,17 @@ def test_sources_resolve_in_precedence_order_with_the_default_budget(tmp_path):
     got = resolve_capture(
         config, env={"VLLM_ROUTER_CAPTURE_DIR": str(env), "VLLM_ROUTER_CAPTURE_TOKENS": "5"}
     )
-    assert got == CaptureSettings(cli, 9, "--router-capture") and cli.is_dir()  # each setting: first set
+    expect = CaptureSettings(
+        cli, 9, "--router-capture", tokens_source="additional_config['router_capture_tokens']"
+    )
+    assert got == expect and cli.is_dir()  # each setting: first set
     got = resolve_capture({"router_capture_dir_cli": str(cli)}, env={})
     assert got == CaptureSettings(cli, DEFAULT_TOKENS, "--router-capture")
     got = resolve_capture({"router_capture_dir": str(extra), "router_capture_tokens": "9"}, env={})
     assert got.directory == extra and got.tokens == 9
     got = resolve_capture({}, env={"VLLM_ROUTER_CAPTURE_DIR": str(env), "VLLM_ROUTER_CAPTURE_TOKENS": "5"})
     assert got.tokens == 5 and got.source == "environment variable VLLM_ROUTER_CAPTURE_DIR"
+    assert got.tokens_source == "environment variable VLLM_ROUTER_CAPTURE_TOKENS"
     assert resolve_capture({}, env={}) is None
 
 
@@ -230,10 +234,14 @@ def test_the_budget_is_computed_and_refused_above_the_limit(tmp_path, monkeypatc
     per_token = 58 * (7168 * 2 + 256 * 4)
     assert check_budget(CaptureSettings(tmp_path, 4096, "t", memory_limit_gib=64), gates) == 4096 * per_token
     monkeypatch.setattr(c, "host_memory_bytes", lambda: 64 << 30)
+    # the budget names where the token count came from, not the directory's flag
+    settings = resolve_capture(
+        {"router_capture_dir_cli": str(tmp_path), "router_capture_tokens_cli": 2_000_000_000}
+    )
     with pytest.raises(CaptureError) as e:
-        check_budget(CaptureSettings(tmp_path, 2_000_000_000, "--router-capture"), gates)
+        check_budget(settings, gates)
     message = str(e.value)
-    assert "router capture budget 2000000000 tokens (from --router-capture) needs" in message
+    assert "router capture budget 2000000000 tokens (from --router-capture-tokens) needs" in message
     assert f"{per_token} bytes per token" in message and "58 gate(s)" in message
     assert "above the memory limit of 16.00 GiB (25% of this host's 64.00 GiB" in message
     assert "--router-capture-memory-limit GIB" in message

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -398,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokens",
         metavar="N",
-        type=int,
+        type=_positive_int,
         default=4096,
         help="random tokens when no --hidden-states (default: %(default)s)",
     )
@@ -436,9 +437,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: allowed: a positive integer")
+    return number
+
+
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    if not modes:
+        p.error(f"--modes {args.modes!r} names no mode; allowed: {', '.join(ALL_MODES)}")
+    out = Path(args.out)
+    try:  # before any computation: an output that cannot be written is known at once
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".audit-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        p.error(f"--out {str(out)!r} is not a writable directory: {e}")
     try:
         result = run_audit(
             args.model_dir,
@@ -446,15 +468,13 @@ def main(argv: list[str] | None = None) -> int:
             tokens=args.tokens,
             seed=args.seed,
             device=args.device,
-            modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+            modes=modes,
             batch_invariant=not args.no_batch_invariant,
             progress=not args.no_progress,
         )
     except AuditError as e:
         print(f"vllm-router-audit: error: {e}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     tables = format_tables(result)
     (out / "audit.json").write_text(json.dumps(result, indent=1))
     (out / "audit.md").write_text(tables + "\n", encoding="utf-8")

@@ -164,6 +164,7 @@ class CaptureSettings:
     source: str
     memory_limit_gib: float | None = None  # None: MEMORY_SHARE of the host's memory
     memory_limit_source: str | None = None
+    tokens_source: str | None = None  # None: the default budget
 
 
 def resolve_capture(additional_config: dict, env: dict[str, str] | None = None) -> CaptureSettings | None:
@@ -194,6 +195,7 @@ def resolve_capture(additional_config: dict, env: dict[str, str] | None = None) 
         source=source,
         memory_limit_gib=None if limit is None else parse_gib(limit, limit_source),
         memory_limit_source=limit_source or None,
+        tokens_source=tokens_source or None,
     )
 
 
@@ -224,7 +226,8 @@ def check_budget(settings: CaptureSettings, gates: list[GateShape]) -> int:
     else:
         limit, says = int(settings.memory_limit_gib * _GiB), f"from {settings.memory_limit_source}"
     budget = (
-        f"router capture budget {settings.tokens} tokens (from {settings.source}) needs {size_text(need)} "
+        f"router capture budget {settings.tokens} tokens (from {settings.tokens_source or 'the default'}) "
+        f"needs {size_text(need)} "
         f"({len(gates)} gate(s), {per_token} bytes per token: inputs and fp32 logits)"
     )
     if need > limit:
