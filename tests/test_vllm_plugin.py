@@ -35,6 +35,7 @@ def test_entry_point_is_discovered_by_vllm():
     import vllm_router_ext
 
     assert load_plugins_by_group("vllm.general_plugins")["router_ext"] is vllm_router_ext.register
+    assert vllm_router_ext.ENTRY_POINT == "router_ext"  # the name every message tells users to list
 
 
 def test_register_is_idempotent_and_wraps_every_registry_entry(vllm_dist):

@@ -4,9 +4,9 @@ Importing this package does no vLLM, GPU or logging work; vLLM calls :func:`regi
 ``vllm.general_plugins`` entry point in every process it starts.
 """
 
-from vllm_router_ext._version import __version__
+from vllm_router_ext._version import ENTRY_POINT, __version__
 
-__all__ = ["__version__", "register"]
+__all__ = ["ENTRY_POINT", "__version__", "register"]
 
 
 def register() -> None:

@@ -14,12 +14,12 @@ import logging
 import threading
 from collections.abc import Callable
 
+from vllm_router_ext._version import ENTRY_POINT
+
 #: The vLLM releases this plugin is tested with: (major, minor) from, up to but not including.
 TESTED_VLLM: tuple[tuple[int, int], tuple[int, int]] = ((0, 32), (0, 35))
 TESTED_VLLM_TEXT = "0.32.x, 0.33.x and 0.34.x"
 INSTALL_TESTED = "pip install 'vllm>=0.32,<0.35'"
-#: The name vLLM's ``VLLM_PLUGINS`` takes for this plugin (its ``vllm.general_plugins`` entry point).
-ENTRY_POINT = "router_ext"
 
 #: The ``GateLinear`` constructor arguments the plugin's gate takes and passes on.
 GATE_LINEAR_ARGS = (

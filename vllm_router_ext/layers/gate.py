@@ -19,7 +19,7 @@ from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
-from vllm_router_ext._plugin import ENTRY_POINT
+from vllm_router_ext._version import ENTRY_POINT
 from vllm_router_ext.ops.native import router_gemm_native
 from vllm_router_ext.ops.router_gemm import fp32_weight_terms, router_gemm
 from vllm_router_ext.precision import (
