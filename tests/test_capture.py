@@ -232,6 +232,8 @@ def test_the_budget_is_computed_and_refused_above_the_limit(tmp_path, monkeypatc
     # DeepSeek-V3: 58 MoE gates, hidden 7168 (bf16), 256 experts (fp32 logits)
     gates = [GateShape(layer, 7168, 256, torch.bfloat16) for layer in range(3, 61)]
     per_token = 58 * (7168 * 2 + 256 * 4)
+    # the disk check reads the host's free space: a roomy disk here, so the memory limit decides
+    monkeypatch.setattr(c.shutil, "disk_usage", lambda p: SimpleNamespace(free=1 << 40))
     assert check_budget(CaptureSettings(tmp_path, 4096, "t", memory_limit_gib=64), gates) == 4096 * per_token
     monkeypatch.setattr(c, "host_memory_bytes", lambda: 64 << 30)
     # the budget names where the token count came from, not the directory's flag
