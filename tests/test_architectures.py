@@ -146,11 +146,12 @@ def test_the_audit_reads_only_the_gates_of_an_fp8_checkpoint(tmp_path):
     assert result["overall"]["fp32"]["rel_err"] <= 1e-6
 
 
+#: Family presets whose whole model is built here (the family table's "construction" claims).
+BUILT = ["qwen3-moe", "mixtral", "gpt-oss", "llama4", "glm4-moe", "minimax-m2", "ernie4.5-moe", "qwen3-next"]
+
+
 @pytest.mark.parametrize("mode", ["auto", "fp32"])
-@pytest.mark.parametrize(
-    "family",
-    ["qwen3-moe", "mixtral", "gpt-oss", "llama4", "glm4-moe", "minimax-m2", "ernie4.5-moe", "qwen3-next"],
-)
+@pytest.mark.parametrize("family", BUILT)
 def test_each_family_model_builds_its_routers_at_the_setting(vllm_dist, tmp_path, gen, family, mode):
     """The whole model of each other family, built through the registry's override class as
     vLLM builds it (no engine): with ``router_precision`` set every router is ours at that mode,
@@ -203,3 +204,110 @@ def test_each_family_model_builds_its_routers_at_the_setting(vllm_dist, tmp_path
         out = out[0] if isinstance(out, tuple) else out  # return_bias=False: the logits alone
         ref = x.double() @ w.double().T + ref_bias
         assert out.dtype == torch.float32 and relative_error(out, ref) <= 1e-6, name
+
+
+#: DeepSeek-V4's architectures whose MoE block is built here (vLLM's ``vllm/models/deepseek_v4``).
+V4_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
+
+
+@pytest.mark.parametrize("mode", ["auto", "bf16-fp32out"])
+def test_deepseek_v4_builds_our_gate_and_routes_like_fp64(vllm_dist, tmp_path, gen, mode):
+    """DeepSeek-V4's MoE block from vLLM's own package (this platform's implementation), built as
+    the override builds it: ``auto`` is fp32 (DeepSeek's inference code), the gate is ours with
+    fp32 logits and an fp32 correction bias; vLLM's own V4 router (sqrtsoftplus + bias, top-6,
+    renormalised, x1.5) picks fp64's experts from our logits; a hash layer keeps vLLM's token-id
+    table (its experts are the table's, our logits only weigh them); the whole block runs."""
+    import importlib
+    import sys
+
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import _sqrtsoftplus_bias_topk
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from vllm_router_ext.layers.gate import RouterGateLinear, router_settings_scope
+    from vllm_router_ext.ops.reference import (
+        RoutingConfig,
+        expert_scores,
+        near_tie_mask,
+        reference_logits,
+        relative_error,
+        select_experts,
+    )
+    from vllm_router_ext.precision import RouterPrecision, resolve_router_settings
+    from vllm_router_ext.testing.tiny_checkpoint import TINY_V4, write_tiny_deepseek_v4_config
+
+    hash_layer = next(_LAYER)  # a hash layer below num_hash_layers, a scored one above
+    path = write_tiny_deepseek_v4_config(tmp_path / "v4", num_hash_layers=hash_layer + 1)
+    cfg = _vllm_config(path, vllm_dist.parallel_config)
+    if mode != "auto":
+        cfg.additional_config = {"router_precision": mode}
+    settings = resolve_router_settings(cfg)
+    expect = RouterPrecision.FP32 if mode == "auto" else RouterPrecision(mode)
+    assert settings.precision is expect
+    if mode == "auto":
+        assert settings.source == "auto: architecture DeepseekV4ForCausalLM"
+    implementation = importlib.import_module("vllm.models.deepseek_v4")
+    module = sys.modules[implementation.DeepseekV4ForCausalLM.__module__]  # the platform's own
+    blocks = {}
+    with set_current_vllm_config(cfg), set_default_torch_dtype(torch.bfloat16):
+        with router_settings_scope(settings):
+            for kind, layer in (("hash", hash_layer), ("scored", 10_000 + hash_layer)):
+                blocks[kind] = module.DeepseekV4MoE(cfg, prefix=f"model.layers.{layer}.ffn")
+    routing = RoutingConfig.from_hf_config(dict(TINY_V4))
+    assert routing.scoring_func == "sqrtsoftplus" and routing.uses_correction_bias and routing.renormalize
+    n, k, top_k = TINY_V4["n_routed_experts"], TINY_V4["hidden_size"], TINY_V4["num_experts_per_tok"]
+    m = 64
+    for kind, block in blocks.items():
+        gate = block.gate
+        assert type(gate) is RouterGateLinear and gate.router_precision is expect, kind
+        assert gate.out_dtype == torch.float32 and tuple(gate.weight.shape) == (n, k)
+        assert (gate.tid2eid is not None) == (kind == "hash")
+        assert (gate.e_score_correction_bias is not None) == (kind == "scored")
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
+        gate.weight_loader(gate.weight, w)
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        ids = torch.randint(0, TINY_V4["vocab_size"], (m,), generator=gen)
+        logits, _ = gate(x)
+        ref = reference_logits(x, w)
+        assert logits.dtype == torch.float32 and relative_error(logits, ref) <= 1e-6
+        if not hasattr(torch.ops._C, "hash_topk_cpu"):
+            continue  # a CUDA wheel imported on a CPU: no CPU router kernels (checked below)
+        if kind == "scored":
+            bias = torch.randn(n, generator=gen) * 0.1
+            gate.e_score_correction_bias.data.copy_(bias)
+            assert gate.e_score_correction_bias.dtype == torch.float32
+            weights, got = _sqrtsoftplus_bias_topk(logits, top_k, True, gate.e_score_correction_bias, 1.5,
+                                                   None, None)  # fmt: skip
+            want_ids, want_w = select_experts(ref, routing, bias.double())
+            clear = ~near_tie_mask(ref, routing, bias, margin=1e-5 * (ref.abs().max().item() + 1))
+            assert clear.float().mean() >= 0.9
+        else:
+            table = gate.tid2eid.data.clone()
+            weights, got = _sqrtsoftplus_bias_topk(logits, top_k, True, None, 1.5, ids, gate.tid2eid)
+            assert torch.equal(gate.tid2eid.data, table)  # the table is vLLM's, untouched
+            want_ids = table[ids].long().sort(dim=-1).values
+            scores = expert_scores(ref, "sqrtsoftplus").gather(1, want_ids)
+            want_w = scores / scores.sum(-1, keepdim=True) * 1.5
+            clear = torch.ones(m, dtype=torch.bool)
+        order = got.long().argsort(dim=-1)
+        got_ids, got_w = got.long().gather(1, order), weights.double().gather(1, order)
+        assert torch.equal(got_ids[clear], want_ids[clear]), kind
+        assert torch.allclose(got_w[clear], want_w[clear], rtol=1e-4, atol=1e-6), kind
+        with torch.no_grad():
+            for name, p in block.named_parameters():
+                if p.dtype.is_floating_point and "gate" not in name.split(".")[0]:
+                    p.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1)
+            for sub in block.modules():  # as vLLM's loader finishes every layer
+                if (method := getattr(sub, "quant_method", None)) is not None:
+                    method.process_weights_after_loading(sub)
+            calls: list[int] = []
+            hook = gate.register_forward_hook(lambda *_, seen=calls: seen.append(1))
+            with set_current_vllm_config(cfg), set_forward_context(None, cfg, num_tokens=m):
+                out = block(x, ids)
+            hook.remove()
+        assert out.shape == x.shape and torch.isfinite(out.float()).all(), kind
+        assert calls, f"the {kind} block routed without calling our gate"
+    if not hasattr(torch.ops._C, "hash_topk_cpu"):
+        pytest.skip("vLLM's V4 router runs here on its CPU kernels, which this vLLM build lacks (built and "
+                    "checked the gates; routing is checked on the CPU build)")  # fmt: skip

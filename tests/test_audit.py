@@ -357,3 +357,43 @@ def test_each_routing_picks_what_the_familys_own_formula_picks():
     chosen = (probs + bias).topk(4, -1).indices  # ERNIE-4.5: softmax scores + bias choose
     w = probs.gather(1, chosen)
     check({"model_type": "ernie4_5_moe", "moe_k": 4}, chosen, w / w.sum(-1, keepdim=True), bias)
+
+
+def test_the_audit_routes_deepseek_v4_and_reports_its_hash_layers(tmp_path):
+    """A DeepSeek-V4 checkpoint in the release's names (``layers.N.ffn.gate.weight``, the correction
+    bias as ``...gate.bias``, the hash table as ``...gate.tid2eid``): the hash layers are reported as
+    table-routed, the others routed as vLLM routes V4 (sqrtsoftplus scores + bias choose, top-6
+    renormalised x1.5) with the bias read as the correction bias, not added to the logits."""
+    from safetensors.torch import save_file
+
+    from vllm_router_ext.audit import format_tables, load_gate
+    from vllm_router_ext.ops.reference import RoutingConfig, expert_scores
+    from vllm_router_ext.testing.tiny_checkpoint import TINY_V4
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    n, k, top_k = TINY_V4["n_routed_experts"], TINY_V4["hidden_size"], TINY_V4["num_experts_per_tok"]
+    cfg = {**TINY_V4, "num_hidden_layers": 4, "num_hash_layers": 2}
+    tensors = {}
+    for layer in range(4):
+        tensors[f"layers.{layer}.ffn.gate.weight"] = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+        if layer < 2:
+            tensors[f"layers.{layer}.ffn.gate.tid2eid"] = torch.randint(0, n, (cfg["vocab_size"], top_k))
+        else:
+            tensors[f"layers.{layer}.ffn.gate.bias"] = torch.randn(n, generator=g) * 0.1
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    result = run_audit(tmp_path, tokens=512, progress=False)
+    assert result["table_routed_layers"] == [0, 1] and list(result["layers"]) == ["2", "3"]
+    r = result["routing"]
+    assert (r["scoring_func"], r["topk_method"], r["renormalize"], r["top_k"]) == ("sqrtsoftplus", "noaux_tc",
+                                                                                   True, 6)  # fmt: skip
+    assert r["routed_scaling_factor"] == 1.5 and r["hash_layers"] == 2
+    ckpt = open_checkpoint(tmp_path)
+    gate = load_gate(ckpt, 2, RoutingConfig.from_hf_config(cfg))
+    assert gate.linear_bias is None and torch.equal(gate.correction_bias, tensors["layers.2.ffn.gate.bias"])
+    o = result["overall"]
+    assert o["fp32"]["rel_err"] <= 1e-6 and o["fp32"]["changed_pct"] == 0.0
+    assert o["bf16"]["changed_pct"] > 0.0 and 1e-4 <= o["bf16"]["rel_err"] <= 1e-2
+    assert "MoE layer(s) 0, 1 route by a token-id table" in format_tables(result)
+    logits = torch.randn(8, n, generator=g, dtype=torch.float64)
+    assert torch.allclose(expert_scores(logits, "sqrtsoftplus"), torch.log1p(logits.exp()).sqrt())

@@ -31,6 +31,7 @@ from vllm_router_ext.ops import router_gemm
 from vllm_router_ext.ops.reference import (
     DEEPSEEK_MODEL_TYPES,
     ROUTED_MODEL_TYPES,
+    SQRTSOFTPLUS_BIAS,
     RoutingConfig,
     changed_expert_sets,
     experts_per_token,
@@ -43,10 +44,10 @@ from vllm_router_ext.plotting import PLOT_MISSING, pyplot
 
 #: A MoE layer's router weight, under each family's names (``model.layers.N.mlp.gate``,
 #: ``...block_sparse_moe.gate``, gpt-oss's ``...mlp.router``, Llama-4's ``...feed_forward.router``,
-#: a multimodal checkpoint's ``model.language_model.layers.N...``).
+#: a multimodal checkpoint's ``model.language_model.layers.N...``, DeepSeek-V4's ``layers.N.ffn.gate``).
 GATE_RE = re.compile(
-    r"^(?:model\.|model\.language_model\.|language_model\.model\.)layers\.(\d+)\."
-    r"(mlp|block_sparse_moe|feed_forward)\.(gate|router)\.weight$"
+    r"^(?:model\.|model\.language_model\.|language_model\.model\.)?layers\.(\d+)\."
+    r"(mlp|block_sparse_moe|feed_forward|ffn)\.(gate|router)\.weight$"
 )
 #: Where a family keeps ``e_score_correction_bias``, relative to the MoE block (ERNIE-4.5's
 #: ``moe_statics`` holds it as [1, experts]).
@@ -136,9 +137,12 @@ def load_gate(ckpt: Checkpoint, layer: int, routing: RoutingConfig) -> Gate:
     if tuple(w.shape) != (n, k):
         raise AuditError(f"layer {layer}: router weight has shape {tuple(w.shape)}, config says [{n}, {k}]")
     correction = None
+    # DeepSeek-V4 stores its correction bias as the gate's ``bias`` (its gate has no linear bias)
+    bias_is_correction = ckpt.config.get("model_type") in SQRTSOFTPLUS_BIAS
     if routing.uses_correction_bias:
         block, gate = name.rsplit(".", 1)
-        names = [f"{block}.{pattern.format(gate=gate)}" for pattern in CORRECTION_BIAS_NAMES]
+        patterns = ("{gate}.bias",) if bias_is_correction else CORRECTION_BIAS_NAMES
+        names = [f"{block}.{pattern.format(gate=gate)}" for pattern in patterns]
         found = next((x for x in names if x in ckpt.weight_map), None)
         if found is None:
             raise AuditError(f"layer {layer}: no e_score_correction_bias (looked for {', '.join(names)})")
@@ -147,7 +151,8 @@ def load_gate(ckpt: Checkpoint, layer: int, routing: RoutingConfig) -> Gate:
             correction = correction.reshape(n)
         if tuple(correction.shape) != (n,):
             raise AuditError(f"layer {layer}: {found} has shape {tuple(correction.shape)}, expected [{n}]")
-    linear = ckpt.tensor(f"{name}.bias").float() if f"{name}.bias" in ckpt.weight_map else None
+    has_linear = f"{name}.bias" in ckpt.weight_map and not bias_is_correction
+    linear = ckpt.tensor(f"{name}.bias").float() if has_linear else None
     return Gate(w, correction, linear)
 
 
@@ -282,7 +287,11 @@ def run_audit(
         if hidden_states is None
         else load_hidden_states(hidden_states, k)
     )
-    layers = list(ckpt.gates)
+    # hash layers choose by a token-id table: no logit decides there, nothing to audit
+    table_routed = [i for i in ckpt.gates if i < routing.hash_layers]
+    layers = [i for i in ckpt.gates if i >= routing.hash_layers]
+    if not layers:
+        raise AuditError(f"{ckpt.root}: every MoE layer routes by its token-id table (num_hash_layers)")
     if cfg.get("model_type") in DEEPSEEK_MODEL_TYPES and cfg.get("moe_layer_freq", 1) == 1:
         expected = range(int(cfg.get("first_k_dense_replace", 0)), int(cfg.get("num_hidden_layers", 0)))
         missing = [i for i in expected if i not in layers]
@@ -318,6 +327,7 @@ def run_audit(
         "device": device,
         "capture": capture,
         "layers": {str(i): v for i, v in per_layer.items()},
+        "table_routed_layers": table_routed,
         "overall": overall,
     }
 
@@ -333,6 +343,9 @@ def format_tables(result: dict) -> str:
     def cells(r: dict) -> str:
         return f" {r['rel_err']:.2e} | {r['changed_pct']:.3f} % | {r['dw_mean']:.2e} | {r['dw_p99']:.2e} |"
 
+    if result.get("table_routed_layers"):
+        table = ", ".join(str(i) for i in result["table_routed_layers"])
+        lines.append(f"MoE layer(s) {table} route by a token-id table (no logit decides there): not audited")
     lines += ["", "per MoE layer:", "| MoE layer " + cols, "|---:" + sep]
     for layer, per_mode in result["layers"].items():
         lines += [f"| {layer} | {label} |" + cells(per_mode[label]) for label in labels]

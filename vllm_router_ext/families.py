@@ -4,6 +4,8 @@
 transformers 5.19): ``fp32`` where the reference computes the router logits in fp32, ``None`` (vLLM's
 own gate, untouched) where it computes them in the model dtype. A family without a reference file
 keeps vLLM's port as it is: ``fp32`` where that port builds an fp32 gate, else ``None``.
+A family whose vendor publishes its own inference code (DeepSeek-V4) follows that code.
+Each entry also says where the plugin is tested on it (:data:`TESTED`).
 Imports nothing of vLLM, Triton or this package: the precision resolution reads it.
 """
 
@@ -12,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FP32 = "fp32"
+#: Where a family is tested: served by the CPU build, served on the GPU, its model (or MoE block)
+#: constructed with our gates and checked against fp64 without an engine.
+TESTED = ("CPU build", "GPU", "construction")
 
 
 @dataclass(frozen=True)
@@ -24,29 +29,40 @@ class MoeFamily:
     #: Where the reference computes the router logits, and how.
     reference: str
     drafts: tuple[str, ...] = ()
+    #: Where it is tested, a subset of :data:`TESTED`; empty: the table and resolution only.
+    tested: tuple[str, ...] = ()
 
 
 _REF = "transformers {}: {}"
 _IN_FP32 = "F.linear(hidden_states.float(), weight.float())"
 _IN_MODEL_DTYPE = "F.linear(hidden_states, weight) in the model dtype"
+_IN_FP32_WEIGHT = "F.linear(hidden_states.to(weight.dtype), weight), an fp32 weight"
 _LINEAR = "nn.Linear router in the model dtype"
 _NO_REFERENCE = "no reference modeling file read; vLLM's port builds {} gate"
+_CPU_GPU_BUILT = ("CPU build", "GPU", "construction")
+_CPU_BUILT = ("CPU build", "construction")
+_GPU_BUILT = ("GPU", "construction")
+_TRANSFORMERS_BACKEND = (
+    "the model's own Hugging Face modeling file, which vLLM's Transformers backend runs: it rebuilds "
+    "the router as a GateLinear at the dtype it traces there"
+)
 
 FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("DeepSeek-V2/V3 (Kimi-K2)", ("DeepseekForCausalLM", "DeepseekV2ForCausalLM",
               "DeepseekV3ForCausalLM", "DeepseekV3BidirectionalModel"), FP32,
               _REF.format("deepseek_v3", _IN_FP32),
-              drafts=("DeepSeekMTPModel", "EagleDeepSeekMTPModel")),
+              drafts=("DeepSeekMTPModel", "EagleDeepSeekMTPModel"), tested=_CPU_GPU_BUILT),
     MoeFamily("DeepSeek-V3.2 / GLM-5", ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"), FP32,
-              _REF.format("deepseek_v3", _IN_FP32), drafts=("DeepseekV32MTPModel",)),
+              _REF.format("deepseek_v3", _IN_FP32), drafts=("DeepseekV32MTPModel",),
+              tested=_GPU_BUILT),
     MoeFamily("GLM-4.5", ("Glm4MoeForCausalLM",), FP32, _REF.format("glm4_moe", _IN_FP32),
-              drafts=("Glm4MoeMTPModel",)),
+              drafts=("Glm4MoeMTPModel",), tested=_CPU_BUILT),
     MoeFamily("GLM-4.7-Flash", ("Glm4MoeLiteForCausalLM",), FP32,
               _REF.format("glm4_moe_lite", _IN_FP32), drafts=("Glm4MoeLiteMTPModel",)),
     MoeFamily("MiniMax-M2", ("MiniMaxM2ForCausalLM",), FP32,
-              _REF.format("minimax_m2", "F.linear(hidden_states.to(weight.dtype), weight), an fp32 weight")),
+              _REF.format("minimax_m2", _IN_FP32_WEIGHT), tested=_GPU_BUILT),
     MoeFamily("ERNIE-4.5", ("Ernie4_5_MoeForCausalLM", "Ernie4_5_VLMoeForConditionalGeneration"), FP32,
-              _REF.format("ernie4_5_moe", _IN_FP32 + ", gate.weight kept in fp32")),
+              _REF.format("ernie4_5_moe", _IN_FP32 + ", gate.weight kept in fp32"), tested=_CPU_BUILT),
     MoeFamily("Hunyuan-V3", ("HYV3ForCausalLM",), FP32, _REF.format("hy_v3", _IN_FP32),
               drafts=("HYV3MTPModel",)),
     MoeFamily("EXAONE-MoE", ("ExaoneMoEForCausalLM", "ExaoneMoeForCausalLM"), FP32,
@@ -64,18 +80,40 @@ FAMILIES: tuple[MoeFamily, ...] = (
               drafts=("Step3p5MTP",)),
     MoeFamily("Param2-MoE", ("Param2MoEForCausalLM",), FP32, _NO_REFERENCE.format("an fp32")),
     MoeFamily("AFMoE (Trinity)", ("AfmoeForCausalLM",), FP32, _NO_REFERENCE.format("an fp32")),
+    MoeFamily("DeepSeek-V4", ("DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration",
+              "DeepseekV41ForCausalLM"), FP32,
+              "DeepSeek's inference code (DeepSeek-V4 inference/model.py, Gate.forward): "
+              "linear(x.float(), weight.float()); transformers deepseek_v4 computes in the model dtype",
+              drafts=("DeepSeekV4MTPModel", "DSparkDraftModel", "DSparkV41DraftModel"),
+              tested=("construction",)),
+    MoeFamily("Kimi-K3 / Kimi-Linear", ("KimiLinearForCausalLM", "KimiK3ForConditionalGeneration",
+              "KimiK31ForConditionalGeneration"), FP32, _REF.format("kimi_linear", _IN_FP32),
+              drafts=("KimiK3MTPModel", "K3DSparkModel")),
+    MoeFamily("MiniMax-M3", ("MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration"), FP32,
+              _REF.format("minimax_m3_vl", _IN_FP32_WEIGHT),
+              drafts=("MiniMaxM3MTP", "DSparkMiniMaxDraftModel")),
+    MoeFamily("GLM-5-Next", ("Glm5NextForCausalLM", "Glm5NextForConditionalGeneration"), FP32,
+              _REF.format("glm5_next", _IN_FP32), drafts=("Glm5NextMTPModel",)),
+    MoeFamily("Hunyuan-V4", ("HYV4ForCausalLM",), FP32, _REF.format("hy_v4", _IN_FP32),
+              drafts=("HYV4MTPModel",)),
+    MoeFamily("Step-5", ("Step5ForCausalLM", "Step5ForConditionalGeneration"), FP32,
+              _NO_REFERENCE.format("an fp32"), drafts=("Step5MTP",)),
+    MoeFamily("Beam", ("BeamForCausalLM",), FP32, _NO_REFERENCE.format("an fp32"),
+              drafts=("DFlash2BeamDraftModel",)),
     MoeFamily("Qwen3-MoE", ("Qwen3MoeForCausalLM", "Qwen3VLMoeForConditionalGeneration"), None,
-              _REF.format("qwen3_moe", _IN_MODEL_DTYPE)),
+              _REF.format("qwen3_moe", _IN_MODEL_DTYPE), tested=_CPU_GPU_BUILT),
     MoeFamily("Qwen3-Next", ("Qwen3NextForCausalLM",), None, _REF.format("qwen3_next", _IN_MODEL_DTYPE),
-              drafts=("Qwen3NextMTP",)),
+              drafts=("Qwen3NextMTP",), tested=_CPU_GPU_BUILT),
     MoeFamily("Qwen3.5-MoE", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"), None,
               _REF.format("qwen3_5_moe", _IN_MODEL_DTYPE), drafts=("Qwen3_5MoeMTP",)),
     MoeFamily("Qwen2-MoE", ("Qwen2MoeForCausalLM",), None, _REF.format("qwen2_moe", _IN_MODEL_DTYPE)),
     MoeFamily("gpt-oss", ("GptOssForCausalLM",), None,
-              _REF.format("gpt_oss", "F.linear(hidden_states, weight, bias) in the model dtype")),
-    MoeFamily("Mixtral", ("MixtralForCausalLM",), None, _REF.format("mixtral", _IN_MODEL_DTYPE)),
+              _REF.format("gpt_oss", "F.linear(hidden_states, weight, bias) in the model dtype"),
+              tested=_CPU_GPU_BUILT),
+    MoeFamily("Mixtral", ("MixtralForCausalLM",), None, _REF.format("mixtral", _IN_MODEL_DTYPE),
+              tested=_CPU_BUILT),
     MoeFamily("Llama-4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"), None,
-              _REF.format("llama4", _LINEAR), drafts=("EagleLlama4ForCausalLM",)),
+              _REF.format("llama4", _LINEAR), drafts=("EagleLlama4ForCausalLM",), tested=_CPU_BUILT),
     MoeFamily("OLMoE", ("OlmoeForCausalLM",), None, _REF.format("olmoe", _IN_MODEL_DTYPE)),
     MoeFamily("PhiMoE", ("PhiMoEForCausalLM",), None, _REF.format("phimoe", _LINEAR)),
     MoeFamily("GraniteMoE", ("GraniteMoeForCausalLM",), None,
@@ -104,6 +142,23 @@ FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("Intern-S1-Pro / S2", ("InternS1ProForConditionalGeneration",
               "InternS2MobiusForConditionalGeneration"), None, _NO_REFERENCE.format("a model-dtype"),
               drafts=("InternS2MobiusMTP",)),
+    MoeFamily("Mistral-Large-4", ("MistralLarge4ForCausalLM",), None,
+              _REF.format("mistral4", _IN_MODEL_DTYPE),
+              drafts=("MistralLarge4DSparkModel",)),
+    MoeFamily("Qwen4-Exp", ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration"), None,
+              _REF.format("qwen4_exp", _IN_MODEL_DTYPE), drafts=("Qwen4ExpMTP",)),
+    MoeFamily("Flint", ("FlintForCausalLM",), None, _NO_REFERENCE.format("a model-dtype")),
+    MoeFamily("Muse-Spark", ("MuseSparkForConditionalGeneration",), None,
+              _NO_REFERENCE.format("a gate in the checkpoint's router dtype"),
+              drafts=("MuseSparkDSparkModel",)),
+    MoeFamily("dots.3-note", ("Dots3NoteForCausalLM",), None,
+              _NO_REFERENCE.format("DeepSeek-V3.2's MoE block with a model-dtype"),
+              drafts=("Dots3NoteMTPModel",)),
+    MoeFamily("Transformers backend (MoE)", ("TransformersMoEForCausalLM",
+              "TransformersMultiModalMoEForCausalLM", "TransformersMoEEmbeddingModel",
+              "TransformersMoEForSequenceClassification", "FlexOlmoForCausalLM", "HunYuanMoEV1ForCausalLM",
+              "MellumForCausalLM", "Kolibri1ForCausalLM", "AriaForConditionalGeneration"),
+              None, _TRANSFORMERS_BACKEND, drafts=("TransformersMoEForMTP",)),
 )  # fmt: skip
 
 _BY_ARCH: dict[str, MoeFamily] = {

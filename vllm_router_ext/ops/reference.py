@@ -5,7 +5,9 @@ DeepSeek-V3 ``noaux_tc`` (sigmoid + ``e_score_correction_bias``, group score = s
 biased scores; GLM-4.5 and MiniMax-M2 the same on one group), DeepSeek-V2 (softmax, ``greedy`` or
 ``group_limited_greedy``), softmax top-k with or without renormalisation (Qwen, OLMoE, Mixtral,
 gpt-oss: a softmax over the top-k logits is the renormalised one), ERNIE-4.5's softmax scores that
-choose with a correction bias, and Llama-4's sigmoid of the top-k logits.
+choose with a correction bias, Llama-4's sigmoid of the top-k logits, and DeepSeek-V4's
+``sqrtsoftplus`` scores (``sqrt(softplus(logit))``) + correction bias, whose first
+``num_hash_layers`` layers route by a token-id table instead (no logit decides there).
 """
 
 from __future__ import annotations
@@ -39,8 +41,12 @@ SOFTMAX_TOP_K = {
 SIGMOID_BIAS = ("glm4_moe", "glm4_moe_lite", "minimax_m2")
 SOFTMAX_BIAS = ("ernie4_5_moe",)  # softmax scores + correction bias choose, renormalised
 SIGMOID_TOP_K = ("llama4_text",)  # sigmoid of the top-k logits, no renormalisation
+SQRTSOFTPLUS_BIAS = ("deepseek_v4",)  # sqrt(softplus) scores + correction bias; hash layers first
 DEEPSEEK_MODEL_TYPES = ("deepseek", "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa")
-ROUTED_MODEL_TYPES = DEEPSEEK_MODEL_TYPES + tuple(SOFTMAX_TOP_K) + SIGMOID_BIAS + SOFTMAX_BIAS + SIGMOID_TOP_K
+ROUTED_MODEL_TYPES = (
+    DEEPSEEK_MODEL_TYPES + tuple(SOFTMAX_TOP_K) + SIGMOID_BIAS + SOFTMAX_BIAS + SIGMOID_TOP_K
+) + SQRTSOFTPLUS_BIAS
+SCORING_FUNCS = ("sigmoid", "softmax", "sqrtsoftplus")
 _EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "moe_k")
 
@@ -74,6 +80,8 @@ class RoutingConfig:
     topk_method: str = "greedy"
     renormalize: bool = False
     routed_scaling_factor: float = 1.0
+    #: The first layers route by a token-id table (DeepSeek-V4's hash layers): no logit decides.
+    hash_layers: int = 0
 
     @property
     def uses_correction_bias(self) -> bool:
@@ -93,6 +101,15 @@ class RoutingConfig:
             return cls(top_k, topk_method="noaux_tc", renormalize=True)
         if model_type in SIGMOID_TOP_K:
             return cls(top_k, scoring_func="sigmoid")
+        if model_type in SQRTSOFTPLUS_BIAS:
+            return cls(
+                top_k,
+                scoring_func=cfg.get("scoring_func", "sqrtsoftplus"),
+                topk_method="noaux_tc",
+                renormalize=bool(cfg.get("norm_topk_prob", True)),
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                hash_layers=int(cfg.get("num_hash_layers") or 0),
+            )
         if model_type in SIGMOID_BIAS:
             return cls(
                 top_k,
@@ -114,17 +131,23 @@ class RoutingConfig:
         )
 
 
+def expert_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """The per-expert scores the selection ranks (before any correction bias)."""
+    if scoring_func == "sigmoid":
+        return logits.sigmoid()
+    if scoring_func == "softmax":
+        return logits.softmax(dim=-1)
+    if scoring_func == "sqrtsoftplus":
+        return torch.nn.functional.softplus(logits).sqrt()
+    raise ValueError(f"unsupported scoring_func {scoring_func!r}; allowed: {', '.join(SCORING_FUNCS)}")
+
+
 def select_experts(
     logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert ids ``[M, top_k]`` (sorted ascending) and their weights, computed in ``logits.dtype``
     (pass fp64 logits for the reference). ``bias`` is ``e_score_correction_bias`` (noaux_tc)."""
-    if cfg.scoring_func == "sigmoid":
-        scores = logits.sigmoid()
-    elif cfg.scoring_func == "softmax":
-        scores = logits.softmax(dim=-1)
-    else:
-        raise ValueError(f"unsupported scoring_func {cfg.scoring_func!r}; allowed: sigmoid, softmax")
+    scores = expert_scores(logits, cfg.scoring_func)
     m, n = scores.shape
     choice = scores if bias is None else scores + bias.to(scores.dtype).unsqueeze(0)
     grouped = cfg.n_group > 1 and cfg.topk_method in ("noaux_tc", "group_limited_greedy")
@@ -152,8 +175,8 @@ def near_tie_mask(
 ) -> torch.Tensor:
     """Tokens whose fp64 selection would change under a perturbation of the logits of ``margin``:
     the gap between the k-th and (k+1)-th selection score, at expert or group level, is within
-    ``2 * margin`` (in score units; sigmoid/softmax slopes are <= 1/4 and <= 1)."""
-    scores = logits_ref.sigmoid() if cfg.scoring_func == "sigmoid" else logits_ref.softmax(-1)
+    ``2 * margin`` (in score units; sigmoid, sqrtsoftplus and softmax slopes are <= 1/4, 1/3, 1)."""
+    scores = expert_scores(logits_ref, cfg.scoring_func)
     choice = scores if bias is None else scores + bias.double().unsqueeze(0)
     m, n = choice.shape
     tie = torch.zeros(m, dtype=torch.bool)

@@ -394,6 +394,28 @@ FAMILY_PRESETS: dict[str, dict] = {
 }  # fmt: skip
 
 
+#: DeepSeek-V4's routing (V4-Flash: hidden 4096, 256 experts) on a tiny body: sqrtsoftplus scores
+#: + fp32 correction bias, top-6 renormalised, scaled by 1.5; the first layer routes by a token-id
+#: table. Written as vLLM's own DeepSeek-V4 config reads it (the checkpoint's own keys).
+TINY_V4 = dict(
+    model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], vocab_size=2048, hidden_size=256,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6,
+    moe_intermediate_size=32, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=1,
+    scoring_func="sqrtsoftplus", topk_method="noaux_tc", norm_topk_prob=True, routed_scaling_factor=1.5,
+    num_hash_layers=1, swiglu_limit=10.0, hidden_act="silu", max_position_embeddings=2048,
+    torch_dtype="bfloat16",
+)  # fmt: skip
+
+
+def write_tiny_deepseek_v4_config(out_dir: str | Path, **overrides) -> Path:
+    """The config of a tiny DeepSeek-V4 (:data:`TINY_V4`) into ``out_dir``: enough for vLLM to
+    parse it and build its MoE blocks (the attention's kernels run on GPUs only)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({**TINY_V4, **overrides}, indent=2))
+    return out
+
+
 def build_tiny_family(
     out_dir: str | Path, family: str, *, seed: int = 0, overrides: dict | None = None
 ) -> Path:

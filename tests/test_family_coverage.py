@@ -1,0 +1,35 @@
+"""The family table's "tested" column is what the tests run: each claim names a test that serves
+or builds one of the family's architectures, and each family those tests run claims it."""
+
+from __future__ import annotations
+
+from vllm_router_ext.families import FAMILIES, TESTED, family_of
+from vllm_router_ext.testing.tiny_checkpoint import FAMILY_PRESETS, ROUTING_PRESETS
+
+
+def _arch(preset: str) -> str:
+    return (ROUTING_PRESETS.get(preset) or FAMILY_PRESETS[preset])["architectures"][0]
+
+
+def _runs() -> dict[str, set[str]]:
+    """Per kind, the families that tests run."""
+    import test_architectures
+    import test_gpu_vllm
+    import test_vllm_families
+
+    cpu = {_arch(p) for p, _ in test_vllm_families.SERVED} | {"DeepseekV3ForCausalLM"}  # test_vllm_serve
+    gpu = {_arch(spec.model) for spec in test_gpu_vllm.SPECS.values()}
+    built = {_arch(p) for p in [*ROUTING_PRESETS, *test_architectures.BUILT]}
+    built |= set(test_architectures.V4_ARCHITECTURES)
+    runs = {"CPU build": cpu, "GPU": gpu, "construction": built}
+    assert set(runs) == set(TESTED)
+    return {kind: {family_of(a).name for a in archs} for kind, archs in runs.items()}
+
+
+def test_the_tested_column_is_what_the_tests_run():
+    runs = _runs()
+    for family in FAMILIES:
+        assert set(family.tested) <= set(TESTED), family.name
+        claimed = {kind for kind in TESTED if kind in family.tested}
+        ran = {kind for kind in TESTED if family.name in runs[kind]}
+        assert claimed == ran, (family.name, claimed, ran)
