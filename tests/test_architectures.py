@@ -238,7 +238,10 @@ def test_deepseek_v4_builds_our_gate_and_routes_like_fp64(vllm_dist, tmp_path, g
     from vllm_router_ext.testing.tiny_checkpoint import TINY_V4, write_tiny_deepseek_v4_config
 
     hash_layer = next(_LAYER)  # a hash layer below num_hash_layers, a scored one above
-    path = write_tiny_deepseek_v4_config(tmp_path / "v4", num_hash_layers=hash_layer + 1)
+    # transformers' own V4 config (newer vLLMs) caps the hash layers at the layer count
+    path = write_tiny_deepseek_v4_config(
+        tmp_path / "v4", num_hash_layers=hash_layer + 1, num_hidden_layers=hash_layer + 2
+    )
     cfg = _vllm_config(path, vllm_dist.parallel_config)
     if mode != "auto":
         cfg.additional_config = {"router_precision": mode}
@@ -311,3 +314,69 @@ def test_deepseek_v4_builds_our_gate_and_routes_like_fp64(vllm_dist, tmp_path, g
     if not hasattr(torch.ops._C, "hash_topk_cpu"):
         pytest.skip("vLLM's V4 router runs here on its CPU kernels, which this vLLM build lacks (built and "
                     "checked the gates; routing is checked on the CPU build)")  # fmt: skip
+
+
+def test_a_routing_path_that_skips_the_gate_is_refused_when_asked_and_keeps_vllms_gate_on_auto(
+    vllm_dist, tmp_path
+):
+    """DeepSeek-V4 with DeepGEMM's MegaMoE (``moe_backend=deep_gemm_mega_moe``) routes batches above
+    16 tokens inside DeepGEMM without calling the gate: a precision the user set is refused in one
+    line naming the path and the way out; ``auto`` keeps vLLM's gate and says why. A built block
+    that says a bypass is on (V4's MegaMoE, Flint's kernels) while holding our gate is refused."""
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from vllm_router_ext.layers.gate import GateSettingsError, router_settings_scope
+    from vllm_router_ext.models.override import _refuse_bypassed_gates, _unless_bypassed
+    from vllm_router_ext.precision import RouterPrecision, resolve_router_settings
+    from vllm_router_ext.testing.tiny_checkpoint import write_tiny_deepseek_v4_config
+
+    arch = "DeepseekV4ForCausalLM"
+    mega = SimpleNamespace(
+        kernel_config=SimpleNamespace(moe_backend="deep_gemm_mega_moe"), additional_config={}
+    )
+    hf = SimpleNamespace(architectures=[arch])
+    auto = resolve_router_settings(
+        SimpleNamespace(model_config=SimpleNamespace(hf_config=hf), additional_config={})
+    )
+    kept = _unless_bypassed(auto, mega, arch)
+    assert kept.precision is None and kept.source == (
+        "auto: DeepSeek-V4 (DeepseekV4ForCausalLM) keeps vLLM's gate with mega moe on"
+    )
+    asked = resolve_router_settings(
+        SimpleNamespace(
+            model_config=SimpleNamespace(hf_config=hf), additional_config={"router_precision": "fp32"}
+        )
+    )
+    with pytest.raises(GateSettingsError) as e:
+        _unless_bypassed(asked, mega, arch)
+    text = str(e.value)
+    assert "\n" not in text and "router precision fp32 (from additional_config['router_precision'])" in text
+    assert (
+        "moe_backend=deep_gemm_mega_moe" in text
+        and "bf16_mega_gate" in text
+        and "auto keeps vLLM's gate" in text
+    )
+    plain = SimpleNamespace(kernel_config=SimpleNamespace(moe_backend="auto"), additional_config={})
+    assert _unless_bypassed(asked, plain, arch) is asked
+    assert _unless_bypassed(asked, mega, "DeepseekV3ForCausalLM") is asked  # V3 has no MegaMoE path
+
+    path = write_tiny_deepseek_v4_config(tmp_path / "v4", num_hash_layers=0)
+    cfg = _vllm_config(path, vllm_dist.parallel_config)
+    settings = resolve_router_settings(cfg)
+    assert settings.precision is RouterPrecision.FP32
+    implementation = __import__("vllm.models.deepseek_v4", fromlist=["DeepseekV4ForCausalLM"])
+    module = __import__(implementation.DeepseekV4ForCausalLM.__module__, fromlist=["DeepseekV4MoE"])
+    with (
+        set_current_vllm_config(cfg),
+        set_default_torch_dtype(torch.bfloat16),
+        router_settings_scope(settings),
+    ):
+        block = module.DeepseekV4MoE(cfg, prefix=f"model.layers.{20_000 + next(_LAYER)}.ffn")
+    model = torch.nn.ModuleDict({"ffn": block})
+    _refuse_bypassed_gates(model, settings, arch)  # nothing on: fine
+    block.use_native_mega_moe = True
+    with pytest.raises(GateSettingsError, match="DeepGEMM's MegaMoE"):
+        _refuse_bypassed_gates(model, settings, arch)

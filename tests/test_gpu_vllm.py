@@ -85,8 +85,14 @@ class Spec:
     mtp: int = 0
     eager: bool = False
     env: dict = field(default_factory=dict)
+    draft: str | None = None  # the precision the MTP draft's gates run, where not ``expect``
+
+    def expect_of(self, gate: str) -> str:
+        """The precision of a tapped gate (``target:...`` / ``draft:...``) or a precision line's model."""
+        return self.draft if self.draft and ("draft" in gate or "MTP" in gate) else self.expect
 
 
+MTP = ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1}))
 SPECS: dict[str, Spec] = {
     "v3-auto": Spec("deepseek-v3"),
     "v3-fp32": Spec("deepseek-v3", ("--router-precision", "fp32")),
@@ -97,11 +103,14 @@ SPECS: dict[str, Spec] = {
     "kimi-k2": Spec("kimi-k2"),
     "deepseek-v2": Spec("deepseek-v2"),
     "deepseek-v2-lite": Spec("deepseek-v2-lite"),
-    "v3-mtp": Spec(
+    "v3-mtp": Spec("deepseek-v3", MTP, mtp=1),
+    # The draft's own precision: the target fp32, the MTP draft's gates bf16-fp32out.
+    "v3-mtp-draft": Spec(
         "deepseek-v3",
-        ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})),
+        (*MTP, "--router-precision", "fp32", "--router-precision-draft", "bf16-fp32out"),
         mtp=1,
-    ),  # fmt: skip
+        draft="bf16-fp32out",
+    ),
     "v3-batch-invariant": Spec(
         "deepseek-v3", ("--router-batch-invariant",), env={"VLLM_BATCH_INVARIANT": "1"}
     ),
@@ -235,9 +244,9 @@ def test_serves_with_defaults_and_names_the_gpu_kernels(servers, spec):
     assert status == 400
     log = server.log()
     lines = precision_lines(log)
-    expect = SPECS[spec].expect
     assert len(lines) == (2 if SPECS[spec].mtp else 1), lines  # the MTP draft's gates log their own line
     for line in lines:
+        expect = SPECS[spec].expect_of(line)
         assert f"router precision {expect} " in line, line
         assert ("logits float32" if expect != "bf16" else "logits model dtype") in line
         implementation = line.split("implementation: ", 1)[1]
@@ -280,10 +289,9 @@ def test_gate_logits_inside_the_served_model_match_fp64(servers, spec, tmp_path)
     cfg = json.loads((servers.models[spec] / "config.json").read_text(encoding="utf-8"))
     # DeepSeek's routing is replayed from the config; another family's logits are checked alone.
     routing = None if SPECS[spec].model in FAMILY_PRESETS else RoutingConfig.from_hf_config(cfg)
-    expect = SPECS[spec].expect
     assert {n.split(":")[0] for n in taps} == ({"target", "draft"} if SPECS[spec].mtp else {"target"})
     for name, t in taps.items():
-        judge_tapped_gate(name, t, expect, routing)
+        judge_tapped_gate(name, t, SPECS[spec].expect_of(name), routing)
 
 
 def judge_tapped_gate(name: str, t: dict, expect: str, routing: RoutingConfig | None) -> None:

@@ -195,3 +195,30 @@ def test_the_docs_family_table_is_the_code_table():
         auto = "`fp32`" if family.auto else "vLLM's gate"
         assert documented.get(family.name) == (auto, tested), family.name
         assert all(f"`{a}`" in text for a in family.architectures + family.drafts), family.name
+
+
+def test_a_draft_takes_its_own_precision_where_set_and_the_targets_otherwise(monkeypatch):
+    """``--router-precision-draft`` / ``additional_config["router_precision_draft"]`` applies to a
+    speculative draft only (MTP layers, DSpark); ``vllm`` keeps vLLM's own gate in the draft;
+    unset or ``auto``: the target's; a bad value fails every model's start-up, naming the values."""
+    from vllm_router_ext.precision import CLI_DRAFT_CONFIG_KEY, DRAFT_CONFIG_KEY
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    extra = {CLI_CONFIG_KEY: "fp32", CLI_DRAFT_CONFIG_KEY: "bf16-fp32out"}
+    target = resolve_router_settings(_vllm_config(extra=extra))
+    assert target.precision is RouterPrecision.FP32 and target.source == "--router-precision"
+    draft = resolve_router_settings(_vllm_config(extra=extra, arch="DeepSeekMTPModel"))
+    assert draft.precision is RouterPrecision.BF16_FP32OUT and draft.source == "--router-precision-draft"
+    assert draft.asked == ("router precision bf16-fp32out (from --router-precision-draft)",)
+    kept = resolve_router_settings(_vllm_config(extra={DRAFT_CONFIG_KEY: "vllm"}, arch="DSparkDraftModel"))
+    assert kept.precision is None and "vLLM's own gate for the draft" in kept.source and not kept.asked
+    assert resolve_router_settings(_vllm_config(arch="DSparkDraftModel")).precision is RouterPrecision.FP32
+    same = resolve_router_settings(_vllm_config(extra={DRAFT_CONFIG_KEY: "auto"}, arch="DeepSeekV4MTPModel"))
+    assert same.precision is RouterPrecision.FP32 and same.source == "auto: architecture DeepSeekV4MTPModel"
+    for arch in ("DeepseekV3ForCausalLM", "DeepSeekMTPModel"):
+        with pytest.raises(ValueError) as e:
+            resolve_router_settings(_vllm_config(extra={DRAFT_CONFIG_KEY: "fp16"}, arch=arch))
+        assert str(e.value) == (
+            "invalid draft router precision 'fp16' from additional_config['router_precision_draft']; "
+            "allowed values: auto, fp32, bf16-fp32out, bf16, vllm"
+        )

@@ -29,7 +29,9 @@ from vllm_router_ext.capture import (
 from vllm_router_ext.precision import (
     CLI_BATCH_INVARIANT_KEY,
     CLI_CONFIG_KEY,
+    CLI_DRAFT_CONFIG_KEY,
     RouterPrecision,
+    draft_choices,
 )
 
 _MARK = "_vllm_router_ext_wrapped"
@@ -53,6 +55,14 @@ def add_router_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "Qwen, gpt-oss, Mixtral, ...: docs/precision.md); fp32: fp32 accumulation and logits, "
         "never TF32; bf16-fp32out: bf16 products, fp32 accumulation and logits; bf16: bf16 logits, "
         "as stock vLLM.%(default).0s",
+    )
+    group.add_argument(
+        "--router-precision-draft",
+        choices=draft_choices(),
+        default=None,
+        help="The router precision of a speculative-decoding draft (MTP layers, EAGLE heads, DSpark). "
+        "auto (default): the target's; vllm: vLLM's own gate, for a draft trained on vLLM's routing; "
+        "or one of the --router-precision modes.%(default).0s",
     )
     group.add_argument(
         "--router-capture",
@@ -108,6 +118,8 @@ def apply_router_cli_args(engine_args: Any, args: argparse.Namespace) -> Any:
     updates = {}
     if getattr(args, "router_precision", None) is not None:
         updates[CLI_CONFIG_KEY] = args.router_precision
+    if getattr(args, "router_precision_draft", None) is not None:
+        updates[CLI_DRAFT_CONFIG_KEY] = args.router_precision_draft
     if getattr(args, "router_batch_invariant", None) is not None:
         updates[CLI_BATCH_INVARIANT_KEY] = bool(args.router_batch_invariant)
     if getattr(args, "router_capture", None) is not None:

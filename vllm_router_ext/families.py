@@ -14,6 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FP32 = "fp32"
+#: Routing paths that read the gate's weight in their own kernels and never call the gate: where
+#: one is on, a precision of ours cannot apply there (what turns it on, what it does).
+BYPASSES = {
+    "mega_moe": "--kernel-config moe_backend=deep_gemm_mega_moe: DeepGEMM's MegaMoE computes the "
+    "gate GEMM, scores and top-k in its own bf16 kernel (bf16_mega_gate) above 16 tokens",
+    "specialized_decode": "additional_config decode_backend=latency_specialized: DeepSeek-V4.1's "
+    "specialized decode routes inside its own fused decode kernels",
+    "flint_kernels": "Flint's own MoE kernels (NVFP4 experts, or its bf16 decode kernels) route "
+    "from the gate's weight inside them",
+}
 #: Where a family is tested: served by the CPU build, served on the GPU, its model (or MoE block)
 #: constructed with our gates and checked against fp64 without an engine.
 TESTED = ("CPU build", "GPU", "construction")
@@ -31,6 +41,8 @@ class MoeFamily:
     drafts: tuple[str, ...] = ()
     #: Where it is tested, a subset of :data:`TESTED`; empty: the table and resolution only.
     tested: tuple[str, ...] = ()
+    #: vLLM paths of this family that route without calling the gate, keys of :data:`BYPASSES`.
+    bypassed_by: tuple[str, ...] = ()
 
 
 _REF = "transformers {}: {}"
@@ -85,7 +97,7 @@ FAMILIES: tuple[MoeFamily, ...] = (
               "DeepSeek's inference code (DeepSeek-V4 inference/model.py, Gate.forward): "
               "linear(x.float(), weight.float()); transformers deepseek_v4 computes in the model dtype",
               drafts=("DeepSeekV4MTPModel", "DSparkDraftModel", "DSparkV41DraftModel"),
-              tested=("construction",)),
+              tested=("construction",), bypassed_by=("mega_moe", "specialized_decode")),
     MoeFamily("Kimi-K3 / Kimi-Linear", ("KimiLinearForCausalLM", "KimiK3ForConditionalGeneration",
               "KimiK31ForConditionalGeneration"), FP32, _REF.format("kimi_linear", _IN_FP32),
               drafts=("KimiK3MTPModel", "K3DSparkModel")),
@@ -93,7 +105,7 @@ FAMILIES: tuple[MoeFamily, ...] = (
               _REF.format("minimax_m3_vl", _IN_FP32_WEIGHT),
               drafts=("MiniMaxM3MTP", "DSparkMiniMaxDraftModel")),
     MoeFamily("GLM-5-Next", ("Glm5NextForCausalLM", "Glm5NextForConditionalGeneration"), FP32,
-              _REF.format("glm5_next", _IN_FP32), drafts=("Glm5NextMTPModel",)),
+              _REF.format("glm5_next", _IN_FP32), drafts=("Glm5NextMTPModel",), bypassed_by=("mega_moe",)),
     MoeFamily("Hunyuan-V4", ("HYV4ForCausalLM",), FP32, _REF.format("hy_v4", _IN_FP32),
               drafts=("HYV4MTPModel",)),
     MoeFamily("Step-5", ("Step5ForCausalLM", "Step5ForConditionalGeneration"), FP32,
@@ -147,7 +159,8 @@ FAMILIES: tuple[MoeFamily, ...] = (
               drafts=("MistralLarge4DSparkModel",)),
     MoeFamily("Qwen4-Exp", ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration"), None,
               _REF.format("qwen4_exp", _IN_MODEL_DTYPE), drafts=("Qwen4ExpMTP",)),
-    MoeFamily("Flint", ("FlintForCausalLM",), None, _NO_REFERENCE.format("a model-dtype")),
+    MoeFamily("Flint", ("FlintForCausalLM",), None, _NO_REFERENCE.format("a model-dtype"),
+              bypassed_by=("flint_kernels",)),
     MoeFamily("Muse-Spark", ("MuseSparkForConditionalGeneration",), None,
               _NO_REFERENCE.format("a gate in the checkpoint's router dtype"),
               drafts=("MuseSparkDSparkModel",)),

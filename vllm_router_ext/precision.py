@@ -12,6 +12,10 @@ Resolution, first source that is set wins (``auto`` at any level means "not set 
    vLLM's own gate for one whose reference computes them in the model dtype and for any model
    outside the table.
 
+A speculative-decoding draft (MTP layers, EAGLE heads, DSpark) resolves the same way, unless its
+own precision is set: ``--router-precision-draft`` / ``additional_config["router_precision_draft"]``,
+one of the modes or ``vllm`` (vLLM's own gate, as the draft was trained on); ``auto``: the target's.
+
 Batch invariance: ``--router-batch-invariant`` / ``additional_config["router_batch_invariant"]`` /
 vLLM's ``VLLM_BATCH_INVARIANT=1``.
 """
@@ -25,13 +29,17 @@ from typing import Any
 import torch
 
 from csrc_triton import environment
-from vllm_router_ext.families import family_of
+from vllm_router_ext.families import family_of, is_draft
 
 ENV_VAR = environment.PRECISION
 CONFIG_KEY = "router_precision"
 #: ``additional_config`` key that carries the command-line flag into every vLLM process.
 CLI_CONFIG_KEY = "router_precision_cli"
 BATCH_INVARIANT_KEY = "router_batch_invariant"
+DRAFT_CONFIG_KEY = "router_precision_draft"
+CLI_DRAFT_CONFIG_KEY = "router_precision_draft_cli"
+#: The draft precision's value for vLLM's own gate (no gate of ours in the draft).
+DRAFT_VLLM = "vllm"
 CLI_BATCH_INVARIANT_KEY = "router_batch_invariant_cli"
 
 
@@ -159,6 +167,32 @@ def resolve_router_precision(
     return RouterPrecision(family.auto), f"auto: architecture {architecture}", ()
 
 
+def draft_choices() -> list[str]:
+    return [*RouterPrecision.choices(), DRAFT_VLLM]
+
+
+def resolve_draft_precision(
+    *, cli: Any = None, additional_config: Any = None
+) -> tuple[RouterPrecision | None, str] | None:
+    """A draft's own precision: None where unset (``auto``: the draft takes the target's);
+    ``(None, source)`` for ``vllm`` (vLLM's own gate), else ``(precision, source)``."""
+    for source, raw in (
+        ("--router-precision-draft", cli),
+        (f"additional_config[{DRAFT_CONFIG_KEY!r}]", additional_config),
+    ):
+        if not _is_set(raw):
+            continue
+        if isinstance(raw, str) and raw.strip().lower() == DRAFT_VLLM:
+            return None, source
+        try:
+            return RouterPrecision.parse(raw, source), source
+        except ValueError:
+            allowed = ", ".join(draft_choices())
+            message = f"invalid draft router precision {raw!r} from {source}; allowed values: {allowed}"
+            raise ValueError(message) from None
+    return None
+
+
 def _parse_bool(value: Any, source: str) -> bool:
     if isinstance(value, bool):
         return value
@@ -208,6 +242,13 @@ def resolve_router_settings(vllm_config: Any) -> RouterSettings:
     )
     arch = archs[0] if archs else None
     family = family_of(arch)
+    draft = resolve_draft_precision(
+        cli=extra.get(CLI_DRAFT_CONFIG_KEY), additional_config=extra.get(DRAFT_CONFIG_KEY)
+    )  # validated for every model: a typo fails the target's start-up too
+    if draft is not None and is_draft(arch):  # the draft's own choice replaces the target's
+        precision, draft_source = draft
+        source = draft_source if precision is not None else f"{draft_source}: vLLM's own gate for the draft"
+        overridden = ()
     return RouterSettings(
         model=f"{family.name} ({arch})" if family else (arch or "this model"),
         precision=precision,

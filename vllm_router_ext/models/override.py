@@ -5,7 +5,8 @@ without a router) builds exactly as without the plugin.
 
 vLLM builds a speculative-decoding draft (MTP layers, EAGLE heads) from the target's
 ``VllmConfig``, so it resolves to the target's settings (a draft routing on bf16 logits while the
-target routes on fp32 would propose tokens from other experts than the target would pick).
+target routes on fp32 would propose tokens from other experts than the target would pick), unless
+the draft's own precision is set (a draft trained on vLLM's routing may keep it).
 
 The registry's entries are wrapped, not replaced: vLLM's own entry still inspects the class (its
 cached model info) and loads it (its per-platform choice); the wrapper puts the mixin in front.
@@ -22,7 +23,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.model_executor.models.registry import _BaseRegisteredModel
 
-from vllm_router_ext.families import is_draft
+from vllm_router_ext.families import BYPASSES, family_of, is_draft
 from vllm_router_ext.precision import (
     RouterPrecision,
     RouterSettings,
@@ -95,6 +96,7 @@ class RouterPrecisionMixin:
 
         settings = resolve_router_settings(vllm_config)
         arch = (getattr(vllm_config.model_config.hf_config, "architectures", None) or [None])[0]
+        settings = _unless_bypassed(settings, vllm_config, arch)
         capture = _capture_settings(vllm_config, arch)
         if capture is not None:
             settings = dataclasses.replace(settings, captures=True)  # our gates record
@@ -112,6 +114,7 @@ class RouterPrecisionMixin:
             super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         self.router_settings = settings
         _refuse_unless_owned(self, settings, capture)
+        _refuse_bypassed_gates(self, settings, arch)
         if capture is not None:
             _attach_capture(self, vllm_config, settings, capture)
 
@@ -161,6 +164,62 @@ class RouterPrecisionMixin:
                 "float32" if settings.precision.logits_dtype == torch.float32 else "model dtype",
                 describe_implementation(settings, group[0].weight),
             )
+
+
+#: What a built model says when a path of :data:`BYPASSES` is on: an attribute of the block that
+#: holds the gate (or of the model) and the values that mean "on".
+_BYPASS_ATTRIBUTES = {
+    "mega_moe": ("use_native_mega_moe", "use_mega_moe"),
+    "flint_kernels": ("use_flint_kernel", "bf16_decode"),
+    "specialized_decode": ("specialized_decode_config",),
+}
+
+
+def _bypass_in_config(vllm_config, key: str) -> bool:
+    """Whether a bypass that the config decides is on (others are seen once the model is built)."""
+    if key == "mega_moe":
+        kernel_config = getattr(vllm_config, "kernel_config", None)
+        return getattr(kernel_config, "moe_backend", None) == "deep_gemm_mega_moe"
+    if key == "specialized_decode":
+        extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+        return extra.get("decode_backend") == "latency_specialized"
+    return False
+
+
+def _bypass_error(settings: RouterSettings, key: str):
+    from vllm_router_ext.layers.gate import GateSettingsError
+
+    asked = "; ".join(settings.asked) or f"router precision {settings.precision} (from {settings.source})"
+    return GateSettingsError(
+        f"vllm-router-ext: {asked} cannot apply to {settings.model} with {BYPASSES[key]}, never calling "
+        "the gate: turn that path off, or leave the router settings unset (auto keeps vLLM's gate there)"
+    )
+
+
+def _unless_bypassed(settings: RouterSettings, vllm_config, arch: str | None) -> RouterSettings:
+    """A family path the config turns on that routes without the gate: what the user asked for
+    is refused; ``auto`` keeps vLLM's gate (a precision that could not apply is not claimed)."""
+    family = family_of(arch)
+    on = [k for k in (family.bypassed_by if family else ()) if _bypass_in_config(vllm_config, k)]
+    if not on or not settings.owns_gates:
+        return settings
+    if settings.asked or settings.captures:
+        raise _bypass_error(settings, on[0])
+    source = f"auto: {settings.model} keeps vLLM's gate with {on[0].replace('_', ' ')} on"
+    return dataclasses.replace(settings, precision=None, source=source, batch_invariant=False)
+
+
+def _refuse_bypassed_gates(model: torch.nn.Module, settings: RouterSettings, arch: str | None) -> None:
+    """A built model whose blocks route some batches without calling a gate of ours stops here."""
+    family = family_of(arch)
+    gates = {id(g) for g in router_gates(model)}
+    if family is None or not family.bypassed_by or not gates:
+        return
+    holders = [model, *(m for m in model.modules() if any(id(c) in gates for c in m.children()))]
+    for key in family.bypassed_by:
+        for holder in holders:
+            if any(getattr(holder, attr, None) not in (None, False) for attr in _BYPASS_ATTRIBUTES[key]):
+                raise _bypass_error(settings, key)
 
 
 def _refuse_unless_owned(model: torch.nn.Module, settings: RouterSettings, capture) -> None:

@@ -108,7 +108,9 @@ class RoutingConfig:
                 topk_method="noaux_tc",
                 renormalize=bool(cfg.get("norm_topk_prob", True)),
                 routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-                hash_layers=int(cfg.get("num_hash_layers") or 0),
+                hash_layers=int(
+                    cfg.get("num_hash_layers") or list(cfg.get("mlp_layer_types") or []).count("hash_moe")
+                ),
             )
         if model_type in SIGMOID_BIAS:
             return cls(
