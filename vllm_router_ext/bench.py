@@ -2,7 +2,7 @@
 
     python -m vllm_router_ext.bench [--out DIR] [--shapes DeepSeek-V3,...] [--m 1,16,...] [--skip-accuracy]
 
-Speed: every M of ``M_LIST`` on the five DeepSeek-family shapes (``--shapes`` also takes the
+Speed: every M of ``M_LIST`` on the DeepSeek-family shapes (``--shapes`` also takes the
 other families' release gates: Qwen3, gpt-oss, Mixtral, Llama-4, GLM-4.5, MiniMax-M2); each
 method is captured R times back to back in one CUDA graph over R rotated weight/input copies
 (> 3x the L2), timed with ``triton.testing.do_bench`` (median of replays) / R. Prints µs, the

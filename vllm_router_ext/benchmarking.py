@@ -18,7 +18,10 @@ class RouterShape:
     routing: RoutingConfig
 
 
-#: The five router shapes of the DeepSeek family, with each model's own routing.
+_SQRTSOFTPLUS_BIAS = "sqrtsoftplus", "noaux_tc", True  # DeepSeek-V4: renormalised, x1.5
+
+#: The router shapes of the DeepSeek family, with each model's own routing (V4-Pro's gate has
+#: Kimi-K2's shape).
 SHAPES: tuple[RouterShape, ...] = (
     RouterShape("DeepSeek-V3", 7168, 256, RoutingConfig(8, 8, 4, "sigmoid", "noaux_tc", True, 2.5)),
     RouterShape("Kimi-K2", 7168, 384, RoutingConfig(8, 1, 1, "sigmoid", "noaux_tc", True, 2.827)),
@@ -27,6 +30,8 @@ SHAPES: tuple[RouterShape, ...] = (
     ),
     RouterShape("GLM-5", 6144, 256, RoutingConfig(8, 1, 1, "sigmoid", "noaux_tc", True, 2.5)),
     RouterShape("DeepSeek-V2-Lite", 2048, 64, RoutingConfig(6, 1, 1, "softmax", "greedy", False, 1.0)),
+    RouterShape("DeepSeek-V4-Flash", 4096, 256, RoutingConfig(6, 1, 1, *_SQRTSOFTPLUS_BIAS, 1.5)),
+    RouterShape("DeepSeek-V4-Pro", 7168, 384, RoutingConfig(6, 1, 1, *_SQRTSOFTPLUS_BIAS, 1.5)),
 )
 
 _SOFTMAX_RENORM = "softmax", "greedy", True
