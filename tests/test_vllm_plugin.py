@@ -509,3 +509,58 @@ def test_a_bad_table_override_stops_the_model_build(vllm_dist, table_env):
     with pytest.raises(ValueError, match=r"VLLM_ROUTER_EXT_TABLE='h200' is not a tuned table; allowed: none"):
         Model(vllm_config=config, prefix="bad")
     assert built == ["ok"]
+
+
+def test_the_settings_table_declares_every_key_flag_and_variable_the_code_reads():
+    """One declaration (``settings.SETTINGS``) names every ``additional_config`` key, flag and
+    environment variable the resolution reads, and docs/troubleshooting.md shows exactly it."""
+    import argparse
+    from pathlib import Path
+
+    from csrc_triton import environment
+    from vllm_router_ext import capture, precision
+    from vllm_router_ext.cli import add_router_cli_args
+    from vllm_router_ext.settings import KEYS, SETTINGS
+
+    read = {precision.CONFIG_KEY, precision.CLI_CONFIG_KEY, precision.BATCH_INVARIANT_KEY,
+            precision.CLI_BATCH_INVARIANT_KEY, precision.DRAFT_CONFIG_KEY, precision.CLI_DRAFT_CONFIG_KEY,
+            capture.DIR_KEY, capture.CLI_DIR_KEY, capture.TOKENS_KEY, capture.CLI_TOKENS_KEY,
+            capture.MEMORY_LIMIT_KEY, capture.CLI_MEMORY_LIMIT_KEY}  # fmt: skip
+    assert read == KEYS
+    flags = {a.option_strings[0] for a in add_router_cli_args(argparse.ArgumentParser())._actions[1:]}
+    assert flags == {s.flag for s in SETTINGS if s.flag}
+    names = {v for k, v in vars(environment).items() if k.isupper() and v.startswith("VLLM_")}
+    assert names == {s.env.split()[0] for s in SETTINGS if s.env}
+    text = (Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md").read_text(encoding="utf-8")
+    for s in SETTINGS:
+        row = next(
+            ln for ln in text.splitlines() if ln.startswith("| ") and f"`{s.env or s.key}`".split()[0] in ln
+        )
+        assert f"| {s.values} | {s.default} |" in row and (s.flag is None or f"`{s.flag}`" in row), row
+
+
+def test_settings_are_checked_where_the_engine_starts_and_an_unknown_key_is_named(vllm_dist, tmp_path):
+    """``check_settings`` (run by ``create_engine_config`` in the process that starts the engine):
+    a misspelt ``router_*`` key names the nearest key; keys of other plugins pass; a bad value of
+    any source fails; good settings pass."""
+    from vllm.config import ModelConfig
+    from vllm_configs import engine_free_config
+
+    from vllm_router_ext.cli import check_settings
+    from vllm_router_ext.settings import SettingsError
+    from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
+
+    path = build_tiny_deepseek_v3(tmp_path / "tiny")
+    model = ModelConfig(model=str(path), dtype="bfloat16", max_model_len=256)
+
+    def config(extra):
+        return engine_free_config(model_config=model, additional_config=extra)
+
+    check_settings(config({"router_precision": "bf16-fp32out", "other_plugin_key": 1}))
+    with pytest.raises(SettingsError) as e:
+        check_settings(config({"router_capture_token": 8}))
+    assert str(e.value).startswith(
+        "unknown key additional_config['router_capture_token']; did you mean 'router_capture_tokens'?"
+    )
+    with pytest.raises(ValueError, match="from additional_config\\['router_precision_draft'\\]"):
+        check_settings(config({"router_precision_draft": "bf17"}))

@@ -238,3 +238,77 @@ def test_demo_main_job(tmp_path):
     assert "[demo] completion: " in p.stdout
     assert "router precision bf16-fp32out (from --router-precision)" in p.stdout
     assert "[demo] server stopped (exit code 0)" in p.stdout
+
+
+#: A bad setting from each source that is not a flag: (environment, additional_config, flags,
+#: the one line the start-up stops with).
+BAD_SETTINGS = {
+    "env precision": (
+        {"VLLM_ROUTER_PRECISION": "fp16"}, None, (),
+        "invalid router precision 'fp16' from environment variable VLLM_ROUTER_PRECISION; "
+        "allowed values: auto, fp32, bf16-fp32out, bf16",
+    ),
+    "misspelt key": (
+        {}, {"router_precison": "fp32"}, (),
+        "unknown key additional_config['router_precison']; did you mean 'router_precision'?",
+    ),
+    "config value": (
+        {}, {"router_precision": 5}, (),
+        "invalid router precision 5 from additional_config['router_precision']; allowed values:",
+    ),
+    "batch invariance": (
+        {}, {"router_batch_invariant": "maybe"}, (),
+        "invalid router batch-invariant value 'maybe' from additional_config['router_batch_invariant']; "
+        "allowed: true, false",
+    ),
+    "draft precision": (
+        {}, {"router_precision_draft": "fp16"}, (),
+        "invalid draft router precision 'fp16' from additional_config['router_precision_draft']; "
+        "allowed values: auto, fp32, bf16-fp32out, bf16, vllm",
+    ),
+    "capture tokens": (
+        {"VLLM_ROUTER_CAPTURE_DIR": "{tmp}/capture", "VLLM_ROUTER_CAPTURE_TOKENS": "abc"}, None,
+        ("--enforce-eager",), "from environment variable VLLM_ROUTER_CAPTURE_TOKENS",
+    ),
+    "capture without eager": (
+        {}, {"router_capture_dir": "{tmp}/capture"}, (),
+        "add --enforce-eager (enforce_eager=True) to capture",
+    ),
+    "table": (
+        {"VLLM_ROUTER_EXT_TABLE": "bogus"}, None, (),
+        "VLLM_ROUTER_EXT_TABLE='bogus' is not a tuned table; allowed: none, nvidia_h200",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.vllm
+def test_a_bad_setting_from_any_source_stops_vllm_serve_before_the_engine_with_one_line(tiny_model, tmp_path):
+    """Environment variables and ``additional_config`` are checked in the API server before the
+    engine starts, as flags are: exit 2, one line naming the source, the value and the allowed
+    values, no traceback, no engine process started; in about the time a bad flag takes."""
+    import concurrent.futures as cf
+    import json
+    import time
+
+    def start(case: str):
+        env_extra, extra, flags, _ = BAD_SETTINGS[case]
+        work = tmp_path / case.replace(" ", "-")
+        env = {**cpu_env(work), **{k: v.format(tmp=work) for k, v in env_extra.items()}}
+        args = [*vllm_command(), "serve", str(tiny_model), *flags]
+        if extra is not None:
+            text = json.dumps({k: v.format(tmp=work) if isinstance(v, str) else v for k, v in extra.items()})
+            args += ["--additional-config", text]
+        began = time.monotonic()
+        p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+        return p, time.monotonic() - began
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        results = dict(zip(BAD_SETTINGS, pool.map(start, BAD_SETTINGS), strict=True))
+    for case, (p, seconds) in results.items():
+        out = p.stdout + p.stderr
+        expected = BAD_SETTINGS[case][3]
+        assert p.returncode == 2, (case, out[-3000:])
+        lines = [ln for ln in out.splitlines() if expected in ln]
+        assert len(lines) == 1 and "vllm-router-ext: " in lines[0], (case, out[-3000:])
+        assert "Traceback" not in out and "EngineCore" not in out, (case, out[-3000:])
+        assert seconds < 90, (case, seconds)  # ~17 s alone on a 2-core CPU; two run at once here

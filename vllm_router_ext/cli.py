@@ -5,8 +5,10 @@ arguments (``AsyncEngineArgs.add_cli_args``), so :func:`install_cli_flags` wraps
 ``EngineArgs.add_cli_args`` (adds the flags) and ``EngineArgs.from_cli_args`` (copies the values
 into ``additional_config``, which reaches the engine core and every worker). It also wraps
 ``EngineArgs.create_engine_config``, which runs in the process that starts the engine (``vllm
-serve``'s API server, the offline ``LLM``'s): a router capture there is finished when that process
-exits, as vLLM's workers are killed without a chance to.
+serve``'s API server, the offline ``LLM``'s), before the engine starts: every router setting is
+checked there (:func:`check_settings`; on vLLM's command line a bad one exits 2 with one line), and
+a router capture there is finished when that process exits, as vLLM's workers are killed without
+a chance to.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from vllm_router_ext.precision import (
     RouterPrecision,
     draft_choices,
 )
+from vllm_router_ext.settings import SettingsError, check_keys
 
 _MARK = "_vllm_router_ext_wrapped"
+_FROM_CLI = "_vllm_router_ext_from_cli"  # set on engine arguments parsed from vLLM's command line
 
 
 def add_router_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -156,12 +160,24 @@ def install_cli_flags() -> None:
         return add_router_cli_args(original_add(parser, *a, **kw))
 
     def from_cli_args(cls, args: argparse.Namespace):
-        return apply_router_cli_args(original_from(cls, args), args)
+        engine_args = apply_router_cli_args(original_from(cls, args), args)
+        object.__setattr__(engine_args, _FROM_CLI, True)
+        return engine_args
 
     original_create = EngineArgs.create_engine_config
 
     def create_engine_config(self, *a, **kw):
         config = original_create(self, *a, **kw)
+        try:
+            check_settings(config)
+        except ValueError as e:
+            if not getattr(self, _FROM_CLI, False):
+                raise SettingsError(str(e)) from None
+            from vllm.logger import init_logger
+
+            message = str(e) if str(e).startswith("vllm-router-ext:") else f"vllm-router-ext: {e}"
+            init_logger(f"vllm.{__name__}").error("%s", message)
+            raise SystemExit(2) from None
         finish_captures_at_exit(config.additional_config)
         return config
 
@@ -169,6 +185,39 @@ def install_cli_flags() -> None:
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
     EngineArgs.from_cli_args = classmethod(from_cli_args)
     EngineArgs.create_engine_config = create_engine_config
+
+
+def check_settings(vllm_config: Any) -> None:
+    """Every router setting of the engine about to start, from every source, as each model's build
+    would resolve it: unknown ``router_*`` keys, every precision source (the target's and a draft's),
+    batch invariance, the capture (its directory, budget values, ``--enforce-eager``), the kernel
+    table, a routing path that skips the gate. Raises ValueError with one line."""
+    from vllm_router_ext.models.override import _capture_settings, _unless_bypassed
+    from vllm_router_ext.precision import resolve_router_settings
+
+    check_keys(vllm_config.additional_config)
+    models = [vllm_config]
+    speculative = getattr(vllm_config, "speculative_config", None)
+    draft_model = getattr(speculative, "draft_model_config", None)
+    if draft_model is not None and draft_model is not vllm_config.model_config:
+        models.append(_with_model(vllm_config, draft_model))
+    for config in models:
+        arch = (getattr(config.model_config.hf_config, "architectures", None) or [None])[0]
+        settings = resolve_router_settings(config)
+        _capture_settings(config, arch)
+        settings = _unless_bypassed(settings, config, arch)
+        if settings.owns_gates:
+            from csrc_triton.tables import table_choice
+
+            table_choice()
+
+
+def _with_model(vllm_config: Any, model_config: Any) -> Any:
+    """``vllm_config`` seen as the draft's build sees it: its model config in place."""
+    from types import SimpleNamespace
+
+    fields = {name: getattr(vllm_config, name, None) for name in ("additional_config", "kernel_config")}
+    return SimpleNamespace(model_config=model_config, **fields)
 
 
 _FINISHING: set[str] = set()
