@@ -397,3 +397,115 @@ def test_the_audit_routes_deepseek_v4_and_reports_its_hash_layers(tmp_path):
     assert "MoE layer(s) 0, 1 route by a token-id table" in format_tables(result)
     logits = torch.randn(8, n, generator=g, dtype=torch.float64)
     assert torch.allclose(expert_scores(logits, "sqrtsoftplus"), torch.log1p(logits.exp()).sqrt())
+
+
+def _copy_checkpoint(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _bad_inputs(tiny_model: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
+    """Each bad input a user may hand the audit: (arguments, the one line it must end with)."""
+    from safetensors.torch import save_file
+
+    cases = {}
+    ckpt = _copy_checkpoint(tiny_model, tmp / "not-json")
+    (ckpt / "config.json").write_text("{not json", encoding="utf-8")
+    cases["config not JSON"] = ([str(ckpt)], "config.json: the config.json is not readable JSON")
+    ckpt = _copy_checkpoint(tiny_model, tmp / "missing-shard")
+    index = ckpt / "model.safetensors.index.json"
+    index.write_text(index.read_text().replace('"model.safetensors"', '"model-00002.safetensors"'))
+    cases["missing shard"] = (
+        [str(ckpt)],
+        "the shard model-00002.safetensors holding model.layers.1.mlp.gate",
+    )
+    ckpt = _copy_checkpoint(tiny_model, tmp / "garbage-shard")
+    (ckpt / "model.safetensors").write_bytes(os.urandom(4096))
+    cases["garbage shard"] = ([str(ckpt)], "model.safetensors: cannot read model.layers.1.mlp.gate.weight")
+    (tmp / "garbage.safetensors").write_bytes(os.urandom(512))
+    cases["garbage safetensors"] = (
+        ["--hidden-states", str(tmp / "garbage.safetensors")],
+        "not a safetensors file",
+    )
+    (tmp / "garbage.pt").write_bytes(os.urandom(512))
+    cases["garbage .pt"] = (
+        ["--hidden-states", str(tmp / "garbage.pt")],
+        "not a tensor file torch.load reads",
+    )
+    save_file({"hidden_states": torch.zeros(4, 256, dtype=torch.int32)}, str(tmp / "ints.safetensors"))
+    cases["wrong dtype"] = (
+        ["--hidden-states", str(tmp / "ints.safetensors")],
+        "allowed: bfloat16, float16, float32",
+    )
+    save_file({"hidden_states": torch.zeros(0, 256)}, str(tmp / "empty.safetensors"))
+    cases["no tokens"] = (
+        ["--hidden-states", str(tmp / "empty.safetensors")],
+        "no tokens (0 rows): nothing to audit",
+    )
+    return cases
+
+
+def test_every_bad_input_exits_2_with_one_line_and_no_traceback(tiny_model, tmp_path):
+    """A config that is not JSON, an index naming a missing shard, a damaged shard, garbage
+    hidden-state files (safetensors, .pt), integer or empty hidden states: exit 2, one line."""
+    import concurrent.futures as cf
+
+    cases = _bad_inputs(tiny_model, tmp_path)
+
+    def run(case: str):
+        args, _ = cases[case]
+        model = [] if args[0].startswith(str(tmp_path)) else [str(tiny_model)]
+        out = ["--out", str(tmp_path / "out" / case.replace(" ", "-"))]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm_router_ext.audit",
+            *model,
+            *args,
+            "--no-progress",
+            "--tokens",
+            "64",
+            *out,
+        ]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        results = dict(zip(cases, pool.map(run, cases), strict=True))
+    for case, p in results.items():
+        assert p.returncode == 2 and "Traceback" not in p.stderr, (case, p.stderr[-2000:])
+        last = p.stderr.strip().splitlines()[-1]
+        assert last.startswith("vllm-router-audit: error: ") and cases[case][1] in last, (case, last)
+
+
+def test_a_capture_of_another_model_is_refused_unless_allowed(tiny_model, tmp_path, gen, monkeypatch):
+    """A capture says which model it was recorded from: audited against another checkpoint it is
+    refused, naming both, unless ``--allow-other-model``; a capture cut short is named."""
+    from vllm_router_ext.capture import CaptureSettings, GateCapture, GateShape
+
+    other = _copy_checkpoint(tiny_model, tmp_path / "other-model")
+    capture = tmp_path / "capture"
+    capture.mkdir()
+    layers = sorted(open_checkpoint(tiny_model).gates)
+    shapes = [GateShape(layer, 256, 16, torch.bfloat16) for layer in layers]
+    meta = {"model": str(tiny_model), "architecture": "DeepseekV3ForCausalLM", "run": 1}
+    import vllm_router_ext.capture as c
+
+    monkeypatch.setattr(c, "_serving_pass", lambda: True)
+    rec = GateCapture(CaptureSettings(capture, 32, "test"), shapes, "router-capture-1-dp0", meta)
+    x = torch.randn(32, 256, generator=gen).to(torch.bfloat16)
+    for layer in layers:
+        rec.record(layer, x, torch.zeros(32, 16))
+    assert run_audit(tiny_model, hidden_states=capture, progress=False)["tokens"] == 32
+    with pytest.raises(AuditError) as e:
+        run_audit(other, hidden_states=capture, progress=False)
+    assert str(e.value) == (
+        f"the capture was recorded from {str(tiny_model)!r} (DeepseekV3ForCausalLM), not {str(other)!r} "
+        "(DeepseekV3ForCausalLM); pass --allow-other-model to audit it against this checkpoint anyway"
+    )
+    assert run_audit(other, hidden_states=capture, progress=False, allow_other_model=True)["tokens"] == 32
+    path = capture / "router-capture-1-dp0.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(AuditError, match="cut short"):
+        run_audit(tiny_model, hidden_states=capture, progress=False)

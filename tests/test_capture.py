@@ -287,7 +287,8 @@ def test_a_failed_write_is_logged_and_serving_goes_on(tmp_path, monkeypatch, cap
     monkeypatch.setattr(c, "trim_capture", disk_full)
     with caplog.at_level("ERROR"):
         _pass(rec, torch.ones(3, 4, dtype=torch.bfloat16))
-    assert "could not write the router capture" in caplog.text and "No space left on device" in caplog.text
+    assert "could not finish the router capture" in caplog.text and "No space left on device" in caplog.text
+    assert "2 tokens per layer kept, untrimmed: vllm-router-audit reads it" in caplog.text
     assert rec.done
 
 
@@ -473,3 +474,76 @@ def test_a_symbolic_link_as_the_capture_directory_is_refused_with_its_target(tmp
     ):
         resolve_capture({"router_capture_dir_cli": str(link)})
     assert resolve_capture({"router_capture_dir_cli": str(real)}).directory == real
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 2 MiB tmpfs: a disk that fills (needs the right to mount, as root in a container has)."""
+    import subprocess
+
+    where = tmp_path / "tiny-disk"
+    where.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(where)],
+                       capture_output=True, text=True)  # fmt: skip
+    if p.returncode != 0:
+        pytest.skip(
+            f"cannot mount a 2 MiB tmpfs here ({p.stderr.strip() or p.returncode}): the full-disk case"
+        )
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_disk_that_fills_mid_capture_stops_the_capture_not_serving_and_the_audit_says_why(
+    tiny_disk, monkeypatch, caplog, gen
+):
+    """On a 2 MiB tmpfs a 4096-token budget of two 256-wide gates (about 6 MiB) fills the disk after
+    a few passes: the write that fails stops the capture with one line (why, what was kept), later
+    passes are no-ops, the JSON (rewritten in place) names the disk as the reason, closing and
+    trimming never die (no bus error: captures are read without a memory map), and the rows read
+    back are exactly the passes finished before the disk filled."""
+    import vllm_router_ext.capture as c
+
+    monkeypatch.setattr(c, "_serving_pass", lambda: True)
+    settings = CaptureSettings(tiny_disk, 4096, "test")
+    gates = [GateShape(layer, 256, 256, torch.bfloat16) for layer in (1, 2)]
+    rec = GateCapture(settings, gates, "router-capture-1-dp0", {"run": 1})
+    seen = []
+    with caplog.at_level("ERROR"):
+        for _ in range(40):  # 40 passes of 64 tokens: 2560 tokens, ~3.9 MiB
+            x = torch.randn(64, 256, generator=gen).to(torch.bfloat16)
+            seen.append(x)
+            for layer in (1, 2):
+                rec.record(layer, x, x.float())
+            if rec.done:
+                break
+    assert rec.done, "the tiny disk never filled"
+    stopped = [r.getMessage() for r in caplog.records if "stopped" in r.getMessage()]
+    assert len(stopped) == 1 and "could not write: No space left on device (ENOSPC)" in stopped[0], stopped
+    meta = json.loads((tiny_disk / "router-capture-1-dp0.json").read_text(encoding="utf-8"))
+    kept = set(meta["rows_per_layer"].values())
+    assert meta["ended"].startswith("could not write: No space left on device") and not meta["complete"]
+    assert len(kept) == 1 and 0 < (n := kept.pop()) < 64 * len(seen) and n % 64 == 0
+    rec.close()  # the stop after the disk filled: nothing more to do, nothing dies
+    c.trim_unfinished(tiny_disk, 1)  # where the engine started: trimming needs room it lacks
+    read = c.read_capture(tiny_disk, "router-capture-1-dp0")
+    assert torch.equal(read.tensors["layers.1"], torch.cat(seen)[:n])
+    assert torch.equal(read.tensors["logits.2"], torch.cat(seen)[:n].float())
+    assert not read.info["complete"] and "No space left on device" in describe_capture(read.info)
+
+
+def test_a_capture_file_cut_short_or_not_a_capture_is_named_not_a_crash(tmp_path, monkeypatch, gen):
+    import vllm_router_ext.capture as c
+
+    rec = _recorder(tmp_path, 8, monkeypatch)
+    _pass(rec, torch.randn(8, 8, generator=gen).to(torch.bfloat16))
+    path = rec.path
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 40])
+    with pytest.raises(CaptureError, match="cut short: logits.2 needs bytes"):
+        c.read_tensors(path)
+    path.write_bytes(b"\x07" * 100)
+    with pytest.raises(CaptureError, match="not a safetensors file"):
+        c.read_tensors(path)
+    path.with_suffix(".json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(CaptureError, match="not a capture's JSON"):
+        c.read_capture(tmp_path, path.stem)

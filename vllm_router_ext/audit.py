@@ -73,8 +73,24 @@ class Checkpoint:
 
         if name not in self.weight_map:
             raise AuditError(f"{self.root}: tensor {name!r} is not in the checkpoint")
-        with safe_open(str(self.root / self.weight_map[name]), framework="pt") as f:
-            return f.get_tensor(name)
+        shard = self.root / self.weight_map[name]
+        if not shard.is_file():
+            raise AuditError(f"{self.root}: the shard {self.weight_map[name]} holding {name} is missing")
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                return f.get_tensor(name)
+        except Exception as e:  # noqa: BLE001 -- safetensors' own error types: a damaged shard
+            raise AuditError(f"{shard}: cannot read {name} ({type(e).__name__}: {e})") from None
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise AuditError(f"{path}: the {what} is not readable JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise AuditError(f"{path}: the {what} is not a JSON object")
+    return value
 
 
 def open_checkpoint(model_dir: str | Path) -> Checkpoint:
@@ -82,7 +98,7 @@ def open_checkpoint(model_dir: str | Path) -> Checkpoint:
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise AuditError(f"{root} has no config.json: not a Hugging Face checkpoint directory")
-    config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    config = _read_json(cfg_path, "config.json")
     model_type = routing_fields(config).get("model_type", config.get("model_type"))
     if model_type not in ROUTED_MODEL_TYPES:
         raise AuditError(
@@ -100,12 +116,17 @@ def open_checkpoint(model_dir: str | Path) -> Checkpoint:
         )
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = _read_json(index, "index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise AuditError(f"{index}: no 'weight_map' object: not a safetensors index")
     elif (root / "model.safetensors").is_file():
         from safetensors import safe_open
 
-        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
+        try:
+            with safe_open(str(root / "model.safetensors"), framework="pt") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}
+        except Exception as e:  # noqa: BLE001 -- safetensors' own error types
+            raise AuditError(f"{root / 'model.safetensors'}: not a safetensors file ({e})") from None
     else:
         raise AuditError(f"{root} has neither model.safetensors.index.json nor model.safetensors")
     gates = {int(m.group(1)): name[: -len(".weight")] for name in weight_map if (m := GATE_RE.match(name))}
@@ -194,14 +215,25 @@ def load_hidden_states(
         raise AuditError(f"hidden-states file {p} does not exist")
     elif p.suffix == ".safetensors":
         if capture:  # one capture among several in its directory: its rows as its JSON counts them
-            read = read_capture(p.parent, capture.group(1))
+            try:
+                read = read_capture(p.parent, capture.group(1))
+            except CaptureError as e:
+                raise AuditError(str(e)) from None
             data, info = read.tensors, read.info
         else:
             from safetensors.torch import load_file
 
-            data = load_file(str(p))
+            try:
+                data = load_file(str(p))
+            except Exception as e:  # noqa: BLE001 -- safetensors' own error types
+                raise AuditError(f"{p}: not a safetensors file ({e})") from None
     else:
-        data = torch.load(p, map_location="cpu", weights_only=True)
+        try:
+            data = torch.load(p, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 -- a file torch cannot read, whatever the reason
+            first = (str(e).strip().splitlines() or [""])[0]
+            why = f"{type(e).__name__}: {first}"
+            raise AuditError(f"{p}: not a tensor file torch.load reads ({why})") from None
     if isinstance(data, dict) and not isinstance(next(iter(data), 0), int):
         if "hidden_states" in data:
             data = data["hidden_states"]
@@ -216,7 +248,30 @@ def load_hidden_states(
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != k:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise AuditError(f"{p}: hidden states must be [T, {k}] (hidden_size), got {shape}")
+        if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise AuditError(f"{p}: hidden states are {t.dtype}; allowed: bfloat16, float16, float32")
+        if t.shape[0] == 0:
+            raise AuditError(f"{p}: no tokens (0 rows): nothing to audit")
     return data, info
+
+
+def check_same_model(info: dict | None, ckpt: Checkpoint) -> None:
+    """A capture names the model it was recorded from: auditing it against another checkpoint
+    would compare one model's activations with another's routers."""
+    if not info or not info.get("model"):
+        return
+    recorded, arch = str(info["model"]), info.get("architecture")
+    archs = ckpt.config.get("architectures") or routing_fields(ckpt.config).get("architectures") or []
+    same_path = Path(recorded).expanduser().resolve() == ckpt.root.resolve()
+    same_name = Path(recorded.rstrip("/")).name == ckpt.root.resolve().name
+    if (same_path or same_name) and (not arch or not archs or arch in archs):
+        return
+    theirs = f"{recorded!r} ({arch or 'architecture unknown'})"
+    ours = f"{str(ckpt.root)!r} ({', '.join(archs) or 'architecture unknown'})"
+    raise AuditError(
+        f"the capture was recorded from {theirs}, not {ours}; pass --allow-other-model to audit it "
+        "against this checkpoint anyway"
+    )
 
 
 def _routed_weight_delta(ids_a, w_a, ids_b, w_b, n: int) -> torch.Tensor:
@@ -269,6 +324,7 @@ def run_audit(
     modes: tuple[str, ...] = ALL_MODES,
     batch_invariant: bool = True,
     progress: bool = True,
+    allow_other_model: bool = False,
 ) -> dict:
     if device == "cuda" and not torch.cuda.is_available():
         raise AuditError("--device cuda requested but no CUDA GPU is available; allowed here: cpu")
@@ -287,6 +343,8 @@ def run_audit(
         if hidden_states is None
         else load_hidden_states(hidden_states, k)
     )
+    if not allow_other_model:
+        check_same_model(capture, ckpt)
     # hash layers choose by a token-id table: no logit decides there, nothing to audit
     table_routed = [i for i in ckpt.gates if i < routing.hash_layers]
     layers = [i for i in ckpt.gates if i >= routing.hash_layers]
@@ -446,6 +504,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="router-audit",
         help="directory for audit.json, audit.md and audit.png (default: %(default)s)",
     )
+    p.add_argument(
+        "--allow-other-model",
+        action="store_true",
+        help="audit a --router-capture recorded from another model than MODEL_DIR (default: refused)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
     return p
 
@@ -484,9 +547,10 @@ def main(argv: list[str] | None = None) -> int:
             modes=modes,
             batch_invariant=not args.no_batch_invariant,
             progress=not args.no_progress,
+            allow_other_model=args.allow_other_model,
         )
     except AuditError as e:
-        print(f"vllm-router-audit: error: {e}", file=sys.stderr)
+        print(f"vllm-router-audit: error: {' '.join(str(e).split())}", file=sys.stderr)  # one line
         return 2
     tables = format_tables(result)
     (out / "audit.json").write_text(json.dumps(result, indent=1))

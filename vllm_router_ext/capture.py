@@ -26,11 +26,15 @@ inputs, so only TP rank 0 records and writes. Speculative-decoding drafts are no
 The budget's bytes are computed when the model is built and refused above a limit
 (:data:`MEMORY_SHARE` of the host's memory unless set: the audit and the trim read a capture
 whole) or above the directory's free disk. The capture runs Python in the gate's forward: it needs
-eager mode (``--enforce-eager``). A failed write is logged and serving goes on.
+eager mode (``--enforce-eager``). A failed write (a full disk) stops the capture, not serving: one
+line says so, the JSON (rewritten in place, needing no new space) names the reason, and the rows of
+the last finished pass stay readable. Captures are read with plain reads, never a memory map, so
+a full or truncated file is an error message, never a bus error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -66,6 +70,10 @@ STOPPED = "the model or its process ended before the budget was reached"
 ENGINE_STOPPED = "the engine stopped before the budget was reached"
 _GiB = 1 << 30
 _DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+_BY_NAME = {name: dtype for dtype, name in _DTYPES.items()}
+#: The status JSON is padded to whole blocks of this size (JSON allows trailing blanks), so a
+#: rewrite in place after a failed write fits the blocks it already has on a full disk.
+_STATUS_BLOCK = 4096
 FILE_RE = re.compile(r"^(router-capture-(\d+)-dp\d+)\.(?:safetensors|json)$")
 #: The decoder layer of a router, under any family's names (``model.layers.N.mlp.gate``,
 #: ``...block_sparse_moe.gate``, ``...feed_forward.router``, DBRX's ``transformer.blocks.N...``).
@@ -255,6 +263,7 @@ class GateCapture:
         self.gates = {g.layer: g for g in gates}
         self._last = max(self.gates)  # its rows end a forward pass
         self._count: dict[int, int] = dict.fromkeys(self.gates, 0)
+        self._written: dict[int, int] = dict(self._count)  # the counts the JSON holds
         self._lock = threading.Lock()
         self.done = False
         self._offsets, header = _layout(gates, settings.tokens)
@@ -276,14 +285,21 @@ class GateCapture:
             if self.done or take <= 0:
                 return
             rows_x, rows_logits = rows_x[:take], rows_logits[:take]
-            for key, rows in ((f"layers.{layer}", rows_x), (f"logits.{layer}", rows_logits)):
-                row_bytes = rows[0].numel() * rows.element_size()
-                os.pwrite(self._fd, _bytes(rows), self._offsets[key] + start * row_bytes)
+            try:
+                for key, rows in ((f"layers.{layer}", rows_x), (f"logits.{layer}", rows_logits)):
+                    row_bytes = rows[0].numel() * rows.element_size()
+                    os.pwrite(self._fd, _bytes(rows), self._offsets[key] + start * row_bytes)
+            except OSError as e:  # a full disk: the capture stops, serving goes on
+                self._stop_on_error(e)
+                return
             self._count[layer] = start + take
             if all(c >= self.settings.tokens for c in self._count.values()):
                 self._finish(BUDGET_REACHED)
             elif layer == self._last:
-                self._write_status(complete=False, ended=None)
+                try:
+                    self._write_status(complete=False, ended=None)
+                except OSError as e:  # no room for the JSON's new copy: the same stop
+                    self._stop_on_error(e)
 
     def close(self, ended: str = STOPPED) -> None:
         """Trim the file to the rows recorded and say so (idempotent): the model or process ends."""
@@ -291,17 +307,39 @@ class GateCapture:
             if not self.done:
                 self._finish(ended)
 
-    def _write_status(self, complete: bool, ended: str | None) -> None:
-        status = {
+    def _status(self, counts: dict[int, int], complete: bool, ended: str | None) -> dict:
+        return {
             **self.meta,
             "budget_tokens": self.settings.tokens,
-            "layers": sorted(self._count),
-            "rows_per_layer": {str(layer): n for layer, n in sorted(self._count.items())},
+            "layers": sorted(counts),
+            "rows_per_layer": {str(layer): n for layer, n in sorted(counts.items())},
             "complete": complete,
             "ended": ended,
             "trimmed": False,
         }
-        _atomic_json(self.path.with_suffix(".json"), status)
+
+    def _write_status(self, complete: bool, ended: str | None) -> None:
+        _atomic_json(
+            self.path.with_suffix(".json"), self._status(self._count, complete, ended), _STATUS_BLOCK
+        )
+        self._written = dict(self._count)
+
+    def _stop_on_error(self, error: OSError) -> None:
+        """Stop recording after a failed write; the JSON keeps the last finished pass's counts and
+        says why, rewritten in place (a full disk has no room for a new file)."""
+        self.done = True
+        reason = f"could not write: {error.strerror or error} ({_errno_name(error)})"
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        kept = "/".join(str(n) for n in sorted(set(self._written.values())))
+        try:
+            _overwrite_json(self.path.with_suffix(".json"), self._status(self._written, False, reason))
+        except OSError as e:
+            reason += f"; its JSON could not say so either: {e}"
+        logger.error(
+            "vllm-router-ext: router capture %s stopped, %s; %s tokens per layer kept (the last finished "
+            "pass, untrimmed: vllm-router-audit reads it)", self.path, reason, kept,
+        )  # fmt: skip
 
     def _finish(self, ended: str) -> None:
         self.done = True
@@ -310,7 +348,11 @@ class GateCapture:
             self._write_status(complete=ended == BUDGET_REACHED, ended=ended)
             message = trim_capture(self.path)
         except OSError as e:  # disk full, directory gone: the server keeps serving
-            logger.error("vllm-router-ext: could not write the router capture %s: %s", self.path, e)
+            kept = "/".join(str(n) for n in sorted(set(self._written.values())))
+            logger.error(
+                "vllm-router-ext: could not finish the router capture %s (%s); %s tokens per layer kept, "
+                "untrimmed: vllm-router-audit reads it", self.path, e, kept,
+            )  # fmt: skip
             return
         logger.info("vllm-router-ext: %s", message)
 
@@ -340,20 +382,82 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
-def _atomic_json(path: Path, value: dict) -> None:
-    """Write then rename: a kill mid-write never leaves a torn JSON."""
+def _atomic_json(path: Path, value: dict, block: int = 1) -> None:
+    """Write then rename: a kill mid-write never leaves a torn JSON (padded with blanks to a
+    multiple of ``block`` bytes)."""
+    text = json.dumps(value, indent=1)
+    text += " " * (-len(text) % block)
     tmp = _private_temporary(path)
     try:
-        tmp.write_text(json.dumps(value, indent=1), encoding="utf-8")
+        tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)  # replaces a symbolic link at ``path`` itself, never its target
     finally:
         tmp.unlink(missing_ok=True)
 
 
+def _overwrite_json(path: Path, value: dict) -> None:
+    """Rewrite an existing JSON in place within its size (blanks pad it): needs no new disk space;
+    never through a symbolic link."""
+    fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = os.fstat(fd).st_size
+        text = json.dumps(value, indent=1).encode()
+        if len(text) > size:
+            raise OSError(f"{path}: the new status ({len(text)} bytes) does not fit its {size} bytes")
+        os.pwrite(fd, text + b" " * (size - len(text)), 0)
+    finally:
+        os.close(fd)
+
+
+def _errno_name(error: OSError) -> str:
+    import errno
+
+    return errno.errorcode.get(error.errno or 0, "error")
+
+
+def read_tensors(path: Path, rows: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
+    """A capture file's tensors, each cut to ``rows[layer]`` rows where given, read with plain
+    reads (a memory map of a file on a full disk, or cut short, dies of SIGBUS instead).
+    :class:`CaptureError` names a file that is not a capture or is cut short."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise CaptureError(f"{path}: cannot be read: {e}") from None
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 2 <= length <= min(size - 8, 100 << 20):
+            raise CaptureError(f"{path}: not a safetensors file (its header length is {length})")
+        try:
+            header = json.loads(os.pread(fd, length, 8))
+        except ValueError as e:
+            raise CaptureError(f"{path}: not a safetensors file (its header is not JSON: {e})") from None
+        tensors = {}
+        for name, spec in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _BY_NAME.get(spec.get("dtype")) if isinstance(spec, dict) else None
+            if dtype is None or len(spec.get("shape", ())) != 2:
+                raise CaptureError(f"{path}: tensor {name!r} is not a capture's ({spec})")
+            total, width = spec["shape"]
+            n = total if rows is None else min(total, rows.get(name.split(".", 1)[-1], total))
+            nbytes = n * width * dtype.itemsize
+            start = 8 + length + spec["data_offsets"][0]
+            data = os.pread(fd, nbytes, start)
+            if len(data) != nbytes:
+                raise CaptureError(
+                    f"{path}: cut short: {name} needs bytes {start}..{start + nbytes}, the file has {size}"
+                )
+            tensors[name] = torch.frombuffer(bytearray(data), dtype=dtype).reshape(n, width)
+        return tensors
+    finally:
+        os.close(fd)
+
+
 def trim_capture(path: Path, ended: str | None = None) -> str:
     """Rewrite a capture laid out for its whole budget to the rows its JSON counts; what was
     written, in a sentence. ``ended`` sets why it ended where the JSON does not say yet."""
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     meta_path = path.with_suffix(".json")
@@ -362,13 +466,13 @@ def trim_capture(path: Path, ended: str | None = None) -> str:
         meta["ended"] = ended
     rows = meta["rows_per_layer"]
     if not meta.get("trimmed") and set(rows.values()) != {meta["budget_tokens"]}:
-        tensors = {}
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_slice(name)[: rows[name.split(".")[1]]].contiguous()
+        tensors = read_tensors(path, rows)
         tmp = _private_temporary(path)
         try:
-            save_file(tensors, str(tmp), metadata={"format": "pt"})
+            try:
+                save_file(tensors, str(tmp), metadata={"format": "pt"})
+            except Exception as e:  # noqa: BLE001 -- safetensors reports a full disk as its own error
+                raise OSError(str(e)) from None
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
@@ -395,7 +499,10 @@ def trim_unfinished(directory: Path, first_run: int) -> None:
                 "vllm-router-ext: %s", trim_capture(meta_path.with_suffix(".safetensors"), ENGINE_STOPPED)
             )
         except (OSError, ValueError, KeyError) as e:
-            logger.error("vllm-router-ext: could not finish the router capture %s: %s", meta_path, e)
+            logger.error(
+                "vllm-router-ext: could not finish the router capture %s (%s); its rows stay untrimmed "
+                "and vllm-router-audit reads them", meta_path.with_suffix(".safetensors"), e,
+            )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -412,25 +519,24 @@ def captures_in(directory: Path) -> list[str]:
 def read_capture(directory: Path, stem: str) -> CaptureRead:
     """A capture's rows: trimmed, or still laid out for the budget (a process killed outright;
     its JSON counts the rows of every finished pass). Partial when the budget was not reached."""
-    from safetensors import safe_open
-
     path = directory / f"{stem}.safetensors"
     meta_path = path.with_suffix(".json")
     if not path.is_file():
         raise CaptureError(f"{directory}: capture {stem} has no {path.name}")
-    meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
-    counts = meta.get("rows_per_layer", {})
-    tensors = {}
-    with safe_open(str(path), framework="pt") as f:
-        for name in f.keys():
-            rows = counts.get(name.split(".")[1]) if "." in name else None
-            sliced = f.get_slice(name)
-            tensors[name] = sliced[:rows] if rows is not None else f.get_tensor(name)
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise CaptureError(f"{meta_path}: not a capture's JSON ({e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("rows_per_layer", {}), dict):
+        raise CaptureError(f"{meta_path}: not a capture's JSON (no rows_per_layer object)")
+    tensors = read_tensors(path, meta.get("rows_per_layer") or None)
     ended = meta.get("ended")
     if meta and ended is None:
         ended = "interrupted: the process was killed; rows of its last finished pass kept"
     info = {
         "stem": stem,
+        "model": meta.get("model"),
+        "architecture": meta.get("architecture"),
         "complete": bool(meta.get("complete", True)),
         "ended": ended,
         "budget_tokens": meta.get("budget_tokens"),
