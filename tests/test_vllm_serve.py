@@ -274,6 +274,24 @@ BAD_SETTINGS = {
         {}, {"router_capture_dir": "{tmp}/capture"}, (),
         "add --enforce-eager (enforce_eager=True) to capture",
     ),
+    "capture dir a file": (
+        {"VLLM_ROUTER_CAPTURE_DIR": "/etc/passwd"}, None, ("--enforce-eager",),
+        "router capture directory '/etc/passwd' from environment variable VLLM_ROUTER_CAPTURE_DIR is not "
+        "writable",
+    ),
+    "memory limit": (
+        {"VLLM_ROUTER_CAPTURE_DIR": "{tmp}/capture", "VLLM_ROUTER_CAPTURE_MEMORY_LIMIT_GIB": "-1"}, None,
+        ("--enforce-eager",), "invalid router capture memory limit '-1' from environment variable",
+    ),
+    "zero tokens": (
+        {}, {"router_capture_dir": "{tmp}/capture", "router_capture_tokens": 0}, ("--enforce-eager",),
+        "invalid router capture budget 0 from additional_config['router_capture_tokens']",
+    ),
+    "huge budget": (
+        {}, {"router_capture_dir": "{tmp}/capture", "router_capture_tokens": 10**12}, ("--enforce-eager",),
+        "router capture budget 1000000000000 tokens (from additional_config['router_capture_tokens']) "
+        "needs at least",
+    ),
     "table": (
         {"VLLM_ROUTER_EXT_TABLE": "bogus"}, None, (),
         "VLLM_ROUTER_EXT_TABLE='bogus' is not a tuned table; allowed: none, nvidia_h200",

@@ -223,9 +223,10 @@ def size_text(nbytes: float) -> str:
     return f"{nbytes / _GiB:.2f} GiB" if nbytes >= _GiB / 10 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
-def check_budget(settings: CaptureSettings, gates: list[GateShape]) -> int:
+def check_budget(settings: CaptureSettings, gates: list[GateShape], *, floor: bool = False) -> int:
     """The bytes the budget needs for ``gates`` (inputs and fp32 logits); :class:`CaptureError`
-    naming the budget, the bytes and the limit when above the memory limit or the free disk."""
+    naming the budget, the bytes and the limit when above the memory limit or the free disk.
+    ``floor``: ``gates`` is one gate standing for a model not built yet (it has at least that)."""
     per_token = sum(g.bytes_per_token for g in gates)
     need = settings.tokens * per_token
     if settings.memory_limit_gib is None:
@@ -233,10 +234,11 @@ def check_budget(settings: CaptureSettings, gates: list[GateShape]) -> int:
         limit, says = int(host * MEMORY_SHARE), f"{MEMORY_SHARE:.0%} of this host's {size_text(host)}"
     else:
         limit, says = int(settings.memory_limit_gib * _GiB), f"from {settings.memory_limit_source}"
+    counted = "at least, for one gate" if floor else f"{len(gates)} gate(s)"
     budget = (
         f"router capture budget {settings.tokens} tokens (from {settings.tokens_source or 'the default'}) "
-        f"needs {size_text(need)} "
-        f"({len(gates)} gate(s), {per_token} bytes per token: inputs and fp32 logits)"
+        f"needs {'at least ' if floor else ''}{size_text(need)} "
+        f"({counted}, {per_token} bytes per token: inputs and fp32 logits)"
     )
     if need > limit:
         raise CaptureError(

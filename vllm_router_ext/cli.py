@@ -204,12 +204,28 @@ def check_settings(vllm_config: Any) -> None:
     for config in models:
         arch = (getattr(config.model_config.hf_config, "architectures", None) or [None])[0]
         settings = resolve_router_settings(config)
-        _capture_settings(config, arch)
+        capture = _capture_settings(config, arch)
+        if capture is not None:
+            _check_capture_floor(capture, config.model_config.hf_config)
         settings = _unless_bypassed(settings, config, arch)
         if settings.owns_gates:
             from csrc_triton.tables import table_choice
 
             table_choice()
+
+
+def _check_capture_floor(capture: Any, hf_config: Any) -> None:
+    """A capture budget that one gate of this model alone could not hold is refused before any
+    engine starts (the whole model's budget is checked when its gates are built)."""
+    import torch
+
+    from vllm_router_ext.capture import GateShape, check_budget
+    from vllm_router_ext.ops.reference import num_experts, routing_fields
+
+    cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
+    hidden, experts = routing_fields(cfg).get("hidden_size"), num_experts(cfg)
+    if hidden and experts:
+        check_budget(capture, [GateShape(0, int(hidden), int(experts), torch.bfloat16)], floor=True)
 
 
 def _with_model(vllm_config: Any, model_config: Any) -> Any:
