@@ -250,7 +250,9 @@ def test_mtp_draft_routes_with_the_targets_settings(tmp_path, run_offline, extra
     assert draft["model_class"] == "vllm_router_ext.models.override.DeepSeekMTP"
     for g in (target, draft):
         assert g["class"] == "RouterGateLinear"
-        assert g["precision"] == mode and g["source"] == source
+        # auto names the architecture it resolved for: the draft's own (its MTP model's)
+        own = source.replace("DeepseekV3ForCausalLM", "DeepSeekMTPModel") if g is draft else source
+        assert g["precision"] == mode and g["source"] == own
         assert g["batch_invariant"] is bi
         assert g["out_dtype"] == "torch.float32" and g["bias_dtype"] == "torch.float32"
     _check_gate_records(result, model, mode)
@@ -260,6 +262,33 @@ def test_mtp_draft_routes_with_the_targets_settings(tmp_path, run_offline, extra
     assert any("(DeepseekV3ForCausalLM); weight" in ln and "(class " not in ln for ln in lines), lines
     assert any("1 gate(s) in " in ln and "(class DeepSeekMTP);" in ln for ln in lines)
     assert all(f"batch-invariant {'on' if bi else 'off'}" in ln for ln in lines)
+
+
+@pytest.mark.parametrize("draft_mode", ["bf16-fp32out", "vllm"])
+def test_an_mtp_draft_takes_its_own_precision_where_set(tmp_path, run_offline, draft_mode):
+    """``router_precision_draft``: the target keeps its own (``auto``: fp32), the MTP draft's gate
+    runs the draft's (``bf16-fp32out``: ours, logits against fp64) or vLLM's own gate (``vllm``)."""
+    from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
+
+    model = build_tiny_deepseek_v3(tmp_path / "mtp", seed=6, mtp_layers=1)
+    result = run_offline(
+        model,
+        additional_config={"router_precision_draft": draft_mode},
+        speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1},
+    )
+    assert all(len(t) > 0 for t in result["texts"])
+    (target,) = result["gates"][0]
+    (draft,) = result["draft_gates"][0]
+    assert target["precision"] == "fp32" and target["source"] == "auto: architecture DeepseekV3ForCausalLM"
+    _check_gate_records(result, model, "fp32")
+    if draft_mode == "vllm":
+        assert draft["precision"] is None and draft["source"] is None  # vLLM's own gate, untouched
+    else:
+        assert draft["class"] == "RouterGateLinear" and draft["precision"] == draft_mode
+        assert draft["source"] == "additional_config['router_precision_draft']"
+        _check_gate_records(result, model, draft_mode, model="draft")
+    lines = [ln for ln in result["log"].splitlines() if "vllm-router-ext: router precision" in ln]
+    assert any("(DeepseekV3ForCausalLM); weight" in ln and "router precision fp32 " in ln for ln in lines)
 
 
 def test_eagle_draft_head_routes_with_the_targets_precision(tmp_path, run_offline):
@@ -279,7 +308,7 @@ def test_eagle_draft_head_routes_with_the_targets_precision(tmp_path, run_offlin
     (draft,) = result["draft_gates"][0]
     assert draft["model_class"] == "vllm_router_ext.models.override.EagleDeepseekV3ForCausalLM"
     assert draft["class"] == "RouterGateLinear" and draft["precision"] == "fp32"
-    assert draft["source"] == "auto: architecture DeepseekV3ForCausalLM"
+    assert draft["source"] == "auto: architecture EagleDeepSeekMTPModel"  # the draft's own, as resolved
     assert draft["out_dtype"] == "torch.float32" and draft["bias_dtype"] == "torch.float32"
     _check_gate_records(result, model, "fp32")
     _check_gate_records(result, head, "fp32", model="draft")

@@ -525,7 +525,7 @@ def test_the_settings_table_declares_every_key_flag_and_variable_the_code_reads(
     read = {precision.CONFIG_KEY, precision.CLI_CONFIG_KEY, precision.BATCH_INVARIANT_KEY,
             precision.CLI_BATCH_INVARIANT_KEY, precision.DRAFT_CONFIG_KEY, precision.CLI_DRAFT_CONFIG_KEY,
             capture.DIR_KEY, capture.CLI_DIR_KEY, capture.TOKENS_KEY, capture.CLI_TOKENS_KEY,
-            capture.MEMORY_LIMIT_KEY, capture.CLI_MEMORY_LIMIT_KEY}  # fmt: skip
+            capture.MEMORY_LIMIT_KEY, capture.CLI_MEMORY_LIMIT_KEY, precision.CHECKED_KEY}  # fmt: skip
     assert read == KEYS
     flags = {a.option_strings[0] for a in add_router_cli_args(argparse.ArgumentParser())._actions[1:]}
     assert flags == {s.flag for s in SETTINGS if s.flag}
@@ -564,3 +564,31 @@ def test_settings_are_checked_where_the_engine_starts_and_an_unknown_key_is_name
     )
     with pytest.raises(ValueError, match="from additional_config\\['router_precision_draft'\\]"):
         check_settings(config({"router_precision_draft": "bf17"}))
+
+
+def test_every_engine_process_takes_the_settings_as_checked_where_the_engine_started(
+    vllm_dist, tmp_path, monkeypatch
+):
+    """The settings checked where the engine starts travel in ``additional_config``: a process of
+    the engine resolves to them even where its own environment says otherwise (a worker on
+    another node), and the precision line says where they came from."""
+    from vllm.config import ModelConfig
+    from vllm_configs import engine_free_config
+
+    from vllm_router_ext.cli import check_settings
+    from vllm_router_ext.precision import CHECKED_KEY, ENV_VAR, RouterPrecision, resolve_router_settings
+    from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
+
+    path = build_tiny_deepseek_v3(tmp_path / "tiny")
+    model = ModelConfig(model=str(path), dtype="bfloat16", max_model_len=256)
+    monkeypatch.setenv(ENV_VAR, "bf16-fp32out")
+    cfg = engine_free_config(model_config=model, additional_config={"router_batch_invariant": True})
+    check_settings(cfg)
+    checked = cfg.additional_config[CHECKED_KEY]["target"]
+    assert checked["precision"] == "bf16-fp32out" and checked["batch_invariant"] is True
+    monkeypatch.setenv(ENV_VAR, "bf16")  # another process's environment
+    got = resolve_router_settings(cfg)
+    assert got.precision is RouterPrecision.BF16_FP32OUT and got.source == f"environment variable {ENV_VAR}"
+    assert got.batch_invariant and got.model == "DeepSeek-V2/V3 (Kimi-K2) (DeepseekV3ForCausalLM)"
+    del cfg.additional_config[CHECKED_KEY]
+    assert resolve_router_settings(cfg).precision is RouterPrecision.BF16  # re-resolved: the other value

@@ -193,18 +193,19 @@ def check_settings(vllm_config: Any) -> None:
     batch invariance, the capture (its directory, budget values, ``--enforce-eager``), the kernel
     table, a routing path that skips the gate. Raises ValueError with one line."""
     from vllm_router_ext.models.override import _capture_settings, _unless_bypassed
-    from vllm_router_ext.precision import resolve_router_settings
+    from vllm_router_ext.precision import CHECKED_KEY, resolve_router_settings
 
     check_keys(vllm_config.additional_config)
-    models = [vllm_config]
+    models = {"target": vllm_config}
     speculative = getattr(vllm_config, "speculative_config", None)
     draft_model = getattr(speculative, "draft_model_config", None)
     if draft_model is not None and draft_model is not vllm_config.model_config:
-        models.append(_with_model(vllm_config, draft_model))
-    for config in models:
+        models["draft"] = _with_model(vllm_config, draft_model)
+    checked = {}
+    for role, config in models.items():
         arch = (getattr(config.model_config.hf_config, "architectures", None) or [None])[0]
-        settings = resolve_router_settings(config)
-        capture = _capture_settings(config, arch)
+        settings = resolve_router_settings(config, draft=role == "draft")
+        capture = _capture_settings(config, role == "draft")
         if capture is not None:
             _check_capture_floor(capture, config.model_config.hf_config)
         settings = _unless_bypassed(settings, config, arch)
@@ -212,6 +213,9 @@ def check_settings(vllm_config: Any) -> None:
             from csrc_triton.tables import table_choice
 
             table_choice()
+        checked[role] = settings.to_json()
+    if isinstance(vllm_config.additional_config, dict):  # every engine process takes these as checked
+        vllm_config.additional_config[CHECKED_KEY] = checked
 
 
 def _check_capture_floor(capture: Any, hf_config: Any) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from csrc_triton import environment
 from vllm_router_ext.families import family_of, is_draft
+from vllm_router_ext.settings import CHECKED
 
 ENV_VAR = environment.PRECISION
 CONFIG_KEY = "router_precision"
@@ -37,6 +38,9 @@ CONFIG_KEY = "router_precision"
 CLI_CONFIG_KEY = "router_precision_cli"
 BATCH_INVARIANT_KEY = "router_batch_invariant"
 DRAFT_CONFIG_KEY = "router_precision_draft"
+#: ``additional_config`` key of the settings checked where the engine starts (per architecture):
+#: every process of the engine takes them as checked instead of resolving its own sources again.
+CHECKED_KEY = CHECKED
 CLI_DRAFT_CONFIG_KEY = "router_precision_draft_cli"
 #: The draft precision's value for vLLM's own gate (no gate of ours in the draft).
 DRAFT_VLLM = "vllm"
@@ -113,6 +117,29 @@ class RouterSettings:
     @property
     def owns_gates(self) -> bool:
         return self.precision is not None or self.batch_invariant or self.captures
+
+    def to_json(self) -> dict:
+        """The settings as plain values (they travel in ``additional_config``)."""
+        return {
+            "precision": None if self.precision is None else self.precision.value,
+            "source": self.source,
+            "batch_invariant": self.batch_invariant,
+            "batch_invariant_source": self.batch_invariant_source,
+            "overridden": [list(pair) for pair in self.overridden],
+            "model": self.model,
+        }
+
+    @classmethod
+    def from_json(cls, value: dict) -> RouterSettings:
+        precision = value["precision"]
+        return cls(
+            precision=None if precision is None else RouterPrecision(precision),
+            source=str(value["source"]),
+            batch_invariant=bool(value["batch_invariant"]),
+            batch_invariant_source=str(value["batch_invariant_source"]),
+            overridden=tuple((str(s), str(v)) for s, v in value["overridden"]),
+            model=str(value["model"]),
+        )
 
     def describe(self) -> str:
         precision = "vLLM's own" if self.precision is None else self.precision.value
@@ -221,12 +248,20 @@ def resolve_batch_invariant(
     return False, "default"
 
 
-def resolve_router_settings(vllm_config: Any) -> RouterSettings:
-    """Resolve the settings for the model in a ``VllmConfig`` (duck-typed: no vLLM import)."""
+def resolve_router_settings(vllm_config: Any, *, draft: bool | None = None) -> RouterSettings:
+    """Resolve the settings for the model in a ``VllmConfig`` (duck-typed: no vLLM import): the
+    ones checked where the engine started, where they travel with it, else from every source.
+    ``draft``: a speculative-decoding draft (default: its architecture says)."""
     model_config = vllm_config.model_config
     hf_config = model_config.hf_config
     extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
     archs = list(getattr(hf_config, "architectures", None) or [])
+    if draft is None:
+        draft = is_draft(archs[0] if archs else None)
+    role = "draft" if draft else "target"
+    checked = extra.get(CHECKED_KEY)
+    if isinstance(checked, dict) and isinstance(checked.get(role), dict):
+        return RouterSettings.from_json(checked[role])
     precision, source, overridden = resolve_router_precision(
         architecture=archs[0] if archs else None,
         cli=extra.get(CLI_CONFIG_KEY),
@@ -242,11 +277,11 @@ def resolve_router_settings(vllm_config: Any) -> RouterSettings:
     )
     arch = archs[0] if archs else None
     family = family_of(arch)
-    draft = resolve_draft_precision(
+    own = resolve_draft_precision(
         cli=extra.get(CLI_DRAFT_CONFIG_KEY), additional_config=extra.get(DRAFT_CONFIG_KEY)
     )  # validated for every model: a typo fails the target's start-up too
-    if draft is not None and is_draft(arch):  # the draft's own choice replaces the target's
-        precision, draft_source = draft
+    if own is not None and draft:  # the draft's own choice replaces the target's
+        precision, draft_source = own
         source = draft_source if precision is not None else f"{draft_source}: vLLM's own gate for the draft"
         overridden = ()
     return RouterSettings(

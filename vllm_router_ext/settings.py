@@ -49,10 +49,12 @@ SETTINGS: tuple[Setting, ...] = (
 
 CLI_SUFFIX = "_cli"
 PREFIX = "router_"
-#: Every ``additional_config`` key of the plugin: each setting's, and its flag's twin.
+#: The settings as checked where the engine starts, carried to every engine process (not a user's).
+CHECKED = "router_checked_settings"
+#: Every ``additional_config`` key of the plugin: each setting's, its flag's twin, the checked set.
 KEYS: frozenset[str] = frozenset(
     k for s in SETTINGS if s.key for k in (s.key, *((s.key + CLI_SUFFIX,) if s.flag else ()))
-)
+) | {CHECKED}
 
 
 class SettingsError(ValueError):
@@ -67,7 +69,8 @@ def check_keys(additional_config: Any) -> None:
         return
     for key in additional_config:
         if isinstance(key, str) and key.startswith(PREFIX) and key not in KEYS:
-            near = difflib.get_close_matches(key, sorted(k for k in KEYS if not k.endswith(CLI_SUFFIX)), n=1)
+            users = sorted(k for k in KEYS if not k.endswith(CLI_SUFFIX) and k != CHECKED)
+            near = difflib.get_close_matches(key, users, n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
             known = ", ".join(s.key for s in SETTINGS if s.key)
             raise SettingsError(f"unknown key additional_config[{key!r}]{hint} The plugin's keys: {known}")

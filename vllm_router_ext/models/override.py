@@ -39,12 +39,16 @@ class OverriddenModel(_BaseRegisteredModel):
     """A registry entry: vLLM's own ``entry``, whose class is loaded with the mixin in front."""
 
     entry: Any
+    architecture: str = ""
 
     def inspect_model_cls(self):
         return self.entry.inspect_model_cls()
 
     def load_model_cls(self) -> type[torch.nn.Module]:
-        return with_router_settings(self.entry.load_model_cls())
+        cls = with_router_settings(self.entry.load_model_cls())
+        if is_draft(self.architecture):  # vLLM builds a draft from the target's config: its class says
+            DRAFT_CLASSES.add(cls)
+        return cls
 
 
 def override_registry(registry) -> int:
@@ -52,12 +56,14 @@ def override_registry(registry) -> int:
     n = 0
     for arch, entry in list(registry.models.items()):
         if not isinstance(entry, OverriddenModel):
-            registry.models[arch] = OverriddenModel(entry)
+            registry.models[arch] = OverriddenModel(entry, arch)
             n += 1
     return n
 
 
 _CLASSES: dict[type, type] = {}
+#: The override classes of speculative-decoding drafts (registry entries of a family's drafts).
+DRAFT_CLASSES: set[type] = set()
 
 
 def with_router_settings(base: type) -> type:
@@ -94,10 +100,11 @@ class RouterPrecisionMixin:
         from csrc_triton.tables import table_choice
         from vllm_router_ext.layers.gate import router_settings_scope
 
-        settings = resolve_router_settings(vllm_config)
         arch = (getattr(vllm_config.model_config.hf_config, "architectures", None) or [None])[0]
+        draft = type(self) in DRAFT_CLASSES or is_draft(arch)
+        settings = resolve_router_settings(vllm_config, draft=draft)
         settings = _unless_bypassed(settings, vllm_config, arch)
-        capture = _capture_settings(vllm_config, arch)
+        capture = _capture_settings(vllm_config, draft)
         if capture is not None:
             settings = dataclasses.replace(settings, captures=True)  # our gates record
         if settings.owns_gates:
@@ -246,14 +253,14 @@ def _refuse_unless_owned(model: torch.nn.Module, settings: RouterSettings, captu
     )
 
 
-def _capture_settings(vllm_config, arch: str | None):
+def _capture_settings(vllm_config, draft: bool):
     """The capture this model runs: None for drafts, and where none is asked for; a clear error
     where it cannot work (bad settings, or a mode whose replayed graphs would skip it)."""
     from vllm_router_ext.capture import CaptureError, resolve_capture
 
     extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
     capture = resolve_capture(extra)
-    if capture is None or is_draft(arch):
+    if capture is None or draft:
         return None
     if not vllm_config.model_config.enforce_eager:
         raise CaptureError(
