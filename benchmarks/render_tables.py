@@ -1,8 +1,10 @@
-"""Render a benchmark JSON (``python -m vllm_router_ext.bench``) as docs/benchmarks.md shows it:
-one speed table per shape (µs per call, ×cuBLAS and ×peer measured in the same run), the
-accuracy table, and with ``--plots DIR`` one log-log plot per mode.
+"""Render a benchmark JSON (``python -m vllm_router_ext.bench``): one speed table per shape (µs per
+call, ×cuBLAS and ×peer measured in the same run), the accuracy table, and with ``--plots DIR``
+one log-log plot per mode. ``--summary`` renders docs/benchmarks.md's speed summary instead: one
+row per shape from several JSONs (oldest first; each point from the newest run that has it).
 
     python benchmarks/render_tables.py benchmarks/results/bench-h200-<commit>.json [--plots docs/assets]
+    python benchmarks/render_tables.py --summary OLDEST.json ... NEWEST.json
 """
 
 from __future__ import annotations
@@ -115,12 +117,57 @@ def plot_modes(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
     return paths
 
 
+#: The summary's columns of ``ours fp32`` ×cuBLAS, by M.
+SUMMARY_MS = (1, 16, 1024, 16384)
+BF16_FP32OUT, FP32 = "ours bf16-fp32out", "ours fp32"
+
+
+def _worst(points: list[tuple[int, float]]) -> str:
+    m, ratio = max(points, key=lambda p: p[1])
+    return f"{ratio:.2f}× ({m})"
+
+
+def render_summary(runs: list[tuple[str, list[dict]]]) -> str:
+    """One row per shape: the worst ``bf16-fp32out`` ×cuBLAS and ``fp32`` ×``bf16-fp32out`` over
+    every M measured (at which M), ``fp32`` ×cuBLAS at :data:`SUMMARY_MS`, the peer's range at 1-16
+    tokens; each (shape, M) from the newest run holding it, whose names the last column lists."""
+    latest: dict[tuple[str, int], tuple[str, dict]] = {}
+    for name, rows in runs:
+        for r in rows:
+            if r.get(FP32) is not None and r.get(CUBLAS) is not None:
+                latest[r["shape"], r["M"]] = (name, r)
+    shapes = list(dict.fromkeys(shape for shape, _ in latest))
+    heads = ["shape (K × N)", "bf16-fp32out ×cuBLAS, worst (M)", "fp32 ×bf16-fp32out, worst (M)"]
+    heads += [f"fp32 ×cuBLAS at {m}" for m in SUMMARY_MS] + ["fp32 ×peer at 1-16", "runs"]
+    out = ["| " + " | ".join(heads) + " |", "|---|" + "---:|" * (len(heads) - 2) + "---|"]
+    for shape in shapes:
+        got = sorted((m, nr) for (s, m), nr in latest.items() if s == shape)
+        rows = [r for _, (_, r) in got]
+        bf16 = _worst([(r["M"], r[BF16_FP32OUT] / r[CUBLAS]) for r in rows if r.get(BF16_FP32OUT)])
+        fp32 = _worst([(r["M"], r[FP32] / r[BF16_FP32OUT]) for r in rows if r.get(BF16_FP32OUT)])
+        at = {r["M"]: r for r in rows}
+        cells = [f"{at[m][FP32] / at[m][CUBLAS]:.2f}×" if m in at else "-" for m in SUMMARY_MS]
+        peers = [r[FP32] / r[PEER] for r in rows if r["M"] <= 16 and r.get(PEER)]
+        peer = f"{min(peers):.2f}-{max(peers):.2f}×" if peers else "-"
+        names = ", ".join(dict.fromkeys(f"`{n}`" for _, (n, _) in got))
+        out.append(f"| {shape} ({rows[0]['K']} × {rows[0]['N']}) | {bf16} | {fp32} | " + " | ".join(cells)
+                   + f" | {peer} | {names} |")  # fmt: skip
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("json")
+    p.add_argument("json", nargs="+", help="a benchmark JSON (with --summary: several, oldest first)")
     p.add_argument("--plots", default=None, help="write bench-h200-<mode>.png files into this folder")
+    p.add_argument("--summary", action="store_true", help="one row per shape from every JSON given")
     args = p.parse_args(argv)
-    data = json.loads(Path(args.json).read_text(encoding="utf-8"))
+    if args.summary:
+        runs = [(Path(f).stem, json.loads(Path(f).read_text(encoding="utf-8"))["speed"]) for f in args.json]
+        print(render_summary(runs))
+        return 0
+    if len(args.json) != 1:
+        p.error("one JSON, or several with --summary")
+    data = json.loads(Path(args.json[0]).read_text(encoding="utf-8"))
     print(render_speed(data["speed"]))
     if "accuracy" in data:
         print(render_accuracy(data["accuracy"]))
