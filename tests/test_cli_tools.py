@@ -292,6 +292,29 @@ def test_render_tables_prints_each_shape_with_cublas_and_peer_ratios_and_plots(t
         assert (tmp_path / f"bench-h200-{mode}.png").stat().st_size > 1000
 
 
+def test_render_tables_summary_takes_each_point_from_the_newest_run(tmp_path):
+    """``render_tables.py --summary old.json new.json``: one row per shape, each (shape, M) from
+    the newest run holding it; the worst ratios with their M, fp32 ×cuBLAS at 1/16/1024/16384,
+    the peer's range, the runs used."""
+
+    def row(m, fp32, bf16, cublas, peer=None):
+        return {"shape": "S", "K": 64, "N": 8, "M": m, "ours fp32": fp32, "ours bf16-fp32out": bf16,
+                "cuBLAS mm out_dtype=fp32": cublas, "peer (TRT-LLM dsv3RouterGemm)": peer}  # fmt: skip
+
+    old = [row(1, 2.0, 2.0, 4.0, 2.5), row(16, 3.0, 3.0, 4.0, 3.0), row(1024, 9.0, 5.0, 5.0)]
+    new = [row(1024, 6.0, 5.0, 5.0), row(16384, 12.0, 11.0, 10.0)]
+    for name, rows in (("old", old), ("new", new)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"speed": rows}))
+    cmd = [sys.executable, str(REPO / "benchmarks" / "render_tables.py"), "--summary",
+           str(tmp_path / "old.json"), str(tmp_path / "new.json")]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[2] == (
+        "| S (64 × 8) | 1.10× (16384) | 1.20× (1024) | 0.50× | 0.75× | 1.20× | 1.20× | 0.80-1.00× "
+        "| `old`, `new` |"
+    )
+
+
 def test_the_peer_comes_from_a_file_or_flashinfer_or_a_note_says_how(tmp_path, monkeypatch, capsys):
     from vllm_router_ext import bench
     from vllm_router_ext.benchmarking import PEER, load_peer
