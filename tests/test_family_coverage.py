@@ -33,3 +33,25 @@ def test_the_tested_column_is_what_the_tests_run():
         claimed = {kind for kind in TESTED if kind in family.tested}
         ran = {kind for kind in TESTED if family.name in runs[kind]}
         assert claimed == ran, (family.name, claimed, ran)
+
+
+def test_each_family_says_how_it_is_routed_and_the_references_read_it():
+    """A family's ``model_types`` and ``routing`` are its own facts: one family per model type, a
+    routing that the references know, and the references' tables are exactly those facts."""
+    from vllm_router_ext.families import ROUTINGS
+    from vllm_router_ext.ops import reference
+
+    types = [t for f in FAMILIES for t in f.model_types]
+    assert len(types) == len(set(types))
+    for family in FAMILIES:
+        assert (family.routing is None) == (not family.model_types), family.name
+        assert family.routing is None or family.routing in ROUTINGS, family.name
+    assert set(reference.ROUTED_MODEL_TYPES) == set(types)
+    renorm = {"gpt_oss": True, "mixtral": True}
+    plain = dict.fromkeys(("qwen3_moe", "qwen3_vl_moe_text", "qwen3_next", "qwen2_moe", "olmoe"), False)
+    assert reference.SOFTMAX_TOP_K == plain | renorm
+    assert set(reference.DEEPSEEK_MODEL_TYPES) == {
+        "deepseek", "deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa"
+    }  # fmt: skip
+    for preset in FAMILY_PRESETS.values():  # every tiny checkpoint's model type is a family's
+        assert family_of(preset["architectures"][0]).model_types.count(preset["model_type"]) == 1

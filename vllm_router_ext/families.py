@@ -14,6 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FP32 = "fp32"
+#: How vLLM picks a family's experts from the router logits (:mod:`vllm_router_ext.ops.reference`).
+ROUTINGS = {
+    "deepseek": "the config's own: DeepSeek-V3's noaux_tc (sigmoid + correction bias, grouped) or "
+    "DeepSeek-V2's softmax (greedy or group-limited)",
+    "softmax_topk": "softmax, top-k, renormalised where the config's norm_topk_prob says",
+    "softmax_topk_renorm": "softmax over the top-k logits (always renormalised)",
+    "sigmoid_bias": "sigmoid + correction bias choose on one group, the sigmoid weighs",
+    "softmax_bias": "softmax scores + correction bias choose, renormalised",
+    "sigmoid_topk": "sigmoid of the top-k logits, not renormalised",
+    "sqrtsoftplus_bias": "sqrt(softplus) scores + correction bias, renormalised; hash layers first",
+}
 #: Routing paths that read the gate's weight in their own kernels and never call the gate: where
 #: one is on, a precision of ours cannot apply there (what turns it on, what it does).
 BYPASSES = {
@@ -43,6 +54,10 @@ class MoeFamily:
     tested: tuple[str, ...] = ()
     #: vLLM paths of this family that route without calling the gate, keys of :data:`BYPASSES`.
     bypassed_by: tuple[str, ...] = ()
+    #: The Hugging Face ``model_type`` values of its checkpoints, and how vLLM routes them (a key
+    #: of :data:`ROUTINGS`): what the fp64 references and the audit replay. None: not replayed.
+    model_types: tuple[str, ...] = ()
+    routing: str | None = None
 
 
 _REF = "transformers {}: {}"
@@ -63,18 +78,24 @@ FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("DeepSeek-V2/V3 (Kimi-K2)", ("DeepseekForCausalLM", "DeepseekV2ForCausalLM",
               "DeepseekV3ForCausalLM", "DeepseekV3BidirectionalModel"), FP32,
               _REF.format("deepseek_v3", _IN_FP32),
-              drafts=("DeepSeekMTPModel", "EagleDeepSeekMTPModel"), tested=_CPU_GPU_BUILT),
+              drafts=("DeepSeekMTPModel", "EagleDeepSeekMTPModel"), tested=_CPU_GPU_BUILT,
+              model_types=("deepseek", "deepseek_v2", "deepseek_v3", "kimi_k2"), routing="deepseek"),
     MoeFamily("DeepSeek-V3.2 / GLM-5", ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"), FP32,
               _REF.format("deepseek_v3", _IN_FP32), drafts=("DeepseekV32MTPModel",),
-              tested=_GPU_BUILT),
+              tested=_GPU_BUILT,
+              model_types=("deepseek_v32", "glm_moe_dsa"), routing="deepseek"),
     MoeFamily("GLM-4.5", ("Glm4MoeForCausalLM",), FP32, _REF.format("glm4_moe", _IN_FP32),
-              drafts=("Glm4MoeMTPModel",), tested=_CPU_BUILT),
+              drafts=("Glm4MoeMTPModel",), tested=_CPU_BUILT,
+              model_types=("glm4_moe",), routing="sigmoid_bias"),
     MoeFamily("GLM-4.7-Flash", ("Glm4MoeLiteForCausalLM",), FP32,
-              _REF.format("glm4_moe_lite", _IN_FP32), drafts=("Glm4MoeLiteMTPModel",)),
+              _REF.format("glm4_moe_lite", _IN_FP32), drafts=("Glm4MoeLiteMTPModel",),
+              model_types=("glm4_moe_lite",), routing="sigmoid_bias"),
     MoeFamily("MiniMax-M2", ("MiniMaxM2ForCausalLM",), FP32,
-              _REF.format("minimax_m2", _IN_FP32_WEIGHT), tested=_GPU_BUILT),
+              _REF.format("minimax_m2", _IN_FP32_WEIGHT), tested=_GPU_BUILT,
+              model_types=("minimax_m2",), routing="sigmoid_bias"),
     MoeFamily("ERNIE-4.5", ("Ernie4_5_MoeForCausalLM", "Ernie4_5_VLMoeForConditionalGeneration"), FP32,
-              _REF.format("ernie4_5_moe", _IN_FP32 + ", gate.weight kept in fp32"), tested=_CPU_BUILT),
+              _REF.format("ernie4_5_moe", _IN_FP32 + ", gate.weight kept in fp32"), tested=_CPU_BUILT,
+              model_types=("ernie4_5_moe",), routing="softmax_bias"),
     MoeFamily("Hunyuan-V3", ("HYV3ForCausalLM",), FP32, _REF.format("hy_v3", _IN_FP32),
               drafts=("HYV3MTPModel",)),
     MoeFamily("EXAONE-MoE", ("ExaoneMoEForCausalLM", "ExaoneMoeForCausalLM"), FP32,
@@ -97,7 +118,8 @@ FAMILIES: tuple[MoeFamily, ...] = (
               "DeepSeek's inference code (DeepSeek-V4 inference/model.py, Gate.forward): "
               "linear(x.float(), weight.float()); transformers deepseek_v4 computes in the model dtype",
               drafts=("DeepSeekV4MTPModel", "DSparkDraftModel", "DSparkV41DraftModel"),
-              tested=("construction",), bypassed_by=("mega_moe", "specialized_decode")),
+              tested=("construction",), bypassed_by=("mega_moe", "specialized_decode"),
+              model_types=("deepseek_v4",), routing="sqrtsoftplus_bias"),
     MoeFamily("Kimi-K3 / Kimi-Linear", ("KimiLinearForCausalLM", "KimiK3ForConditionalGeneration",
               "KimiK31ForConditionalGeneration"), FP32, _REF.format("kimi_linear", _IN_FP32),
               drafts=("KimiK3MTPModel", "K3DSparkModel")),
@@ -113,20 +135,27 @@ FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("Beam", ("BeamForCausalLM",), FP32, _NO_REFERENCE.format("an fp32"),
               drafts=("DFlash2BeamDraftModel",)),
     MoeFamily("Qwen3-MoE", ("Qwen3MoeForCausalLM", "Qwen3VLMoeForConditionalGeneration"), None,
-              _REF.format("qwen3_moe", _IN_MODEL_DTYPE), tested=_CPU_GPU_BUILT),
+              _REF.format("qwen3_moe", _IN_MODEL_DTYPE), tested=_CPU_GPU_BUILT,
+              model_types=("qwen3_moe", "qwen3_vl_moe_text"), routing="softmax_topk"),
     MoeFamily("Qwen3-Next", ("Qwen3NextForCausalLM",), None, _REF.format("qwen3_next", _IN_MODEL_DTYPE),
-              drafts=("Qwen3NextMTP",), tested=_CPU_GPU_BUILT),
+              drafts=("Qwen3NextMTP",), tested=_CPU_GPU_BUILT,
+              model_types=("qwen3_next",), routing="softmax_topk"),
     MoeFamily("Qwen3.5-MoE", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"), None,
               _REF.format("qwen3_5_moe", _IN_MODEL_DTYPE), drafts=("Qwen3_5MoeMTP",)),
-    MoeFamily("Qwen2-MoE", ("Qwen2MoeForCausalLM",), None, _REF.format("qwen2_moe", _IN_MODEL_DTYPE)),
+    MoeFamily("Qwen2-MoE", ("Qwen2MoeForCausalLM",), None, _REF.format("qwen2_moe", _IN_MODEL_DTYPE),
+              model_types=("qwen2_moe",), routing="softmax_topk"),
     MoeFamily("gpt-oss", ("GptOssForCausalLM",), None,
               _REF.format("gpt_oss", "F.linear(hidden_states, weight, bias) in the model dtype"),
-              tested=_CPU_GPU_BUILT),
+              tested=_CPU_GPU_BUILT,
+              model_types=("gpt_oss",), routing="softmax_topk_renorm"),
     MoeFamily("Mixtral", ("MixtralForCausalLM",), None, _REF.format("mixtral", _IN_MODEL_DTYPE),
-              tested=_CPU_BUILT),
+              tested=_CPU_BUILT,
+              model_types=("mixtral",), routing="softmax_topk_renorm"),
     MoeFamily("Llama-4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"), None,
-              _REF.format("llama4", _LINEAR), drafts=("EagleLlama4ForCausalLM",), tested=_CPU_BUILT),
-    MoeFamily("OLMoE", ("OlmoeForCausalLM",), None, _REF.format("olmoe", _IN_MODEL_DTYPE)),
+              _REF.format("llama4", _LINEAR), drafts=("EagleLlama4ForCausalLM",), tested=_CPU_BUILT,
+              model_types=("llama4_text",), routing="sigmoid_topk"),
+    MoeFamily("OLMoE", ("OlmoeForCausalLM",), None, _REF.format("olmoe", _IN_MODEL_DTYPE),
+              model_types=("olmoe",), routing="softmax_topk"),
     MoeFamily("PhiMoE", ("PhiMoEForCausalLM",), None, _REF.format("phimoe", _LINEAR)),
     MoeFamily("GraniteMoE", ("GraniteMoeForCausalLM",), None,
               _REF.format("granitemoe", "F.linear(hidden_states, weight).float(): a model-dtype GEMM")),

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_router_ext.families import FAMILIES, ROUTINGS
+
 
 def reference_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp64 ``x @ weight.T`` on the CPU."""
@@ -31,21 +33,23 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (o - ref).norm().item() / (denom if denom > 0 else 1.0)
 
 
+def _model_types(*routings: str) -> tuple[str, ...]:
+    """The ``model_type`` values of the families routed so (the family table's facts)."""
+    return tuple(t for f in FAMILIES if f.routing in routings for t in f.model_types)
+
+
 #: Softmax top-k families (``model_type``) and their renormalisation when the config has no
 #: ``norm_topk_prob``: Mixtral and gpt-oss always renormalise.
-SOFTMAX_TOP_K = {
-    "qwen2_moe": False, "qwen3_moe": False, "qwen3_vl_moe_text": False, "qwen3_next": False,
-    "olmoe": False, "mixtral": True, "gpt_oss": True,
-}  # fmt: skip
+SOFTMAX_TOP_K = {t: False for t in _model_types("softmax_topk")} | {
+    t: True for t in _model_types("softmax_topk_renorm")
+}
 #: Sigmoid + correction bias on one expert group, as DeepSeek-V3's noaux_tc.
-SIGMOID_BIAS = ("glm4_moe", "glm4_moe_lite", "minimax_m2")
-SOFTMAX_BIAS = ("ernie4_5_moe",)  # softmax scores + correction bias choose, renormalised
-SIGMOID_TOP_K = ("llama4_text",)  # sigmoid of the top-k logits, no renormalisation
-SQRTSOFTPLUS_BIAS = ("deepseek_v4",)  # sqrt(softplus) scores + correction bias; hash layers first
-DEEPSEEK_MODEL_TYPES = ("deepseek", "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa")
-ROUTED_MODEL_TYPES = (
-    DEEPSEEK_MODEL_TYPES + tuple(SOFTMAX_TOP_K) + SIGMOID_BIAS + SOFTMAX_BIAS + SIGMOID_TOP_K
-) + SQRTSOFTPLUS_BIAS
+SIGMOID_BIAS = _model_types("sigmoid_bias")
+SOFTMAX_BIAS = _model_types("softmax_bias")  # softmax scores + correction bias choose, renormalised
+SIGMOID_TOP_K = _model_types("sigmoid_topk")  # sigmoid of the top-k logits, no renormalisation
+SQRTSOFTPLUS_BIAS = _model_types("sqrtsoftplus_bias")  # sqrt(softplus) + correction bias; hash layers
+DEEPSEEK_MODEL_TYPES = _model_types("deepseek")
+ROUTED_MODEL_TYPES = _model_types(*ROUTINGS)
 SCORING_FUNCS = ("sigmoid", "softmax", "sqrtsoftplus")
 _EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "moe_k")
