@@ -135,6 +135,7 @@ def run_offline(tmp_path):
         compile=False,
         speculative_config=None,
         timeout=600,
+        load_format="auto",
     ):
         out = tmp_path / f"run-{len(list(tmp_path.glob('run-*')))}.pt"
         e = cpu_env(tmp_path)
@@ -157,6 +158,8 @@ def run_offline(tmp_path):
             str(tp),
             *(["--compile"] if compile else []),
             *(["--speculative-config", json.dumps(speculative_config)] if speculative_config else []),
+            "--load-format",
+            load_format,
         ]
         p = subprocess.run(cmd, env=e, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
         log = p.stdout + p.stderr

@@ -291,6 +291,27 @@ def test_an_mtp_draft_takes_its_own_precision_where_set(tmp_path, run_offline, d
     assert any("(DeepseekV3ForCausalLM); weight" in ln and "router precision fp32 " in ln for ln in lines)
 
 
+def test_random_dummy_weights_still_log_the_precision_and_check_batch_invariance(tiny_model, run_offline):
+    """``--load-format dummy`` (benchmarks, smoke tests) never calls the model's ``load_weights``:
+    the precision line and the batch-invariance check come from the gates' after-load step then,
+    once; the gates are ours and their logits are fp64's of the random weights."""
+    result = run_offline(tiny_model, additional_config={"router_batch_invariant": True}, load_format="dummy")
+    assert all(len(t) > 0 for t in result["texts"])
+    lines = [ln for ln in result["log"].splitlines() if "vllm-router-ext: router precision" in ln]
+    assert (
+        len(lines) == 1
+        and "router precision fp32 (from auto: architecture DeepseekV3ForCausalLM)" in lines[0]
+    )
+    assert "batch-invariant on" in lines[0]
+    for g in result["gates"][0]:
+        assert g["class"] == "RouterGateLinear" and g["precision"] == "fp32" and g["batch_invariant"] is True
+    records = [r for r in result["records"] if r["kind"] == "gate"]
+    weights = {g["name"]: g["weight"] for g in result["gates"][0]}
+    for r in records:
+        ref = r["x"].double() @ weights[r["name"]].double().T
+        assert relative_error(r["logits"], ref) <= 1e-5, r["name"]
+
+
 def test_eagle_draft_head_routes_with_the_targets_precision(tmp_path, run_offline):
     """Speculative decoding with an EAGLE head of DeepSeek MoE layers (vLLM builds it as
     ``EagleDeepSeekMTPModel``): its router gate runs the target's precision too."""

@@ -132,6 +132,7 @@ class RouterGateMixin:
         )
         self.router_settings: RouterSettings | None = None
         self.router_capture = None  # a capture.GateCapture while --router-capture records
+        self.router_model = None  # a weak reference to the model that built this gate (the override's)
         if settings is None:
             return
         if not self.is_unquantized:
@@ -274,6 +275,9 @@ class _RouterGateMethod(UnquantizedLinearMethod):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         super().process_weights_after_loading(layer)
+        model = getattr(layer, "router_model", None)
+        if model is not None and (built := model()) is not None:
+            built.router_weights_final()  # its line and checks, whichever loader ran (dummy too)
         layer.warm_up_router_kernels()
 
 

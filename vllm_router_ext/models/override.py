@@ -15,6 +15,7 @@ cached model info) and loads it (its per-platform choice); the wrapper puts the 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -120,13 +121,26 @@ class RouterPrecisionMixin:
         with router_settings_scope(settings):
             super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         self.router_settings = settings
+        self._router_weights_final = False
+        for gate in router_gates(self):  # each gate's after-load step reaches back to its model
+            gate.router_model = weakref.ref(self)
         _refuse_unless_owned(self, settings, capture)
         _refuse_bypassed_gates(self, settings, arch)
         if capture is not None:
             _attach_capture(self, vllm_config, settings, capture)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        self._router_weights_final = False  # a reload: its line and checks again
         loaded = super().load_weights(weights)
+        self.router_weights_final()
+        return loaded
+
+    def router_weights_final(self) -> None:
+        """Once the weights are final (after ``load_weights``, or at the gates' after-load step for
+        loaders that never call it, dummy weights): the precision line and the batch-invariance check."""
+        if self._router_weights_final:
+            return
+        self._router_weights_final = True
         self._log_router_settings()
         if self.router_settings.batch_invariant:
             from vllm_router_ext.selfcheck import check_batch_invariance, probe_sizes
@@ -134,7 +148,6 @@ class RouterPrecisionMixin:
             for gate in router_gates(self)[:1]:
                 sizes = probe_sizes(gate.weight, gate.router_settings.precision)
                 check_batch_invariance(gate.router_gemm, gate.weight, sizes=sizes)
-        return loaded
 
     def _log_router_settings(self) -> None:
         from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear

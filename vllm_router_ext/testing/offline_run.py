@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=6)
     p.add_argument("--compile", action="store_true", help="torch.compile the model (vLLM's default)")
     p.add_argument("--speculative-config", default=None, help="e.g. an MTP draft (JSON)")
+    p.add_argument("--load-format", default="auto", help="vLLM's --load-format (dummy: random weights)")
     args = p.parse_args(argv)
 
     import torch
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_overrides=json.loads(args.hf_overrides),
         seed=0,
         speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
+        load_format=args.load_format,
     )
     draft = args.speculative_config is not None
     gates = llm.apply_model(gate_records.gate_summary)
