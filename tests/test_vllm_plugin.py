@@ -592,3 +592,23 @@ def test_every_engine_process_takes_the_settings_as_checked_where_the_engine_sta
     assert got.batch_invariant and got.model == "DeepSeek-V2/V3 (Kimi-K2) (DeepseekV3ForCausalLM)"
     del cfg.additional_config[CHECKED_KEY]
     assert resolve_router_settings(cfg).precision is RouterPrecision.BF16  # re-resolved: the other value
+
+
+def test_a_draft_precision_without_a_draft_is_named_once(vllm_dist, tmp_path, caplog):
+    from vllm.config import ModelConfig
+    from vllm_configs import engine_free_config
+
+    from vllm_router_ext.cli import check_settings
+    from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
+
+    path = build_tiny_deepseek_v3(tmp_path / "tiny")
+    model = ModelConfig(model=str(path), dtype="bfloat16", max_model_len=256)
+    with caplog.at_level("WARNING"):
+        check_settings(
+            engine_free_config(model_config=model, additional_config={"router_precision_draft": "vllm"})
+        )
+    lines = [r.getMessage() for r in caplog.records if "draft router precision" in r.getMessage()]
+    assert lines == [
+        "vllm-router-ext: the draft router precision (from additional_config['router_precision_draft']) does "
+        "nothing without a speculative-decoding draft (--speculative-config)"
+    ]

@@ -193,7 +193,12 @@ def check_settings(vllm_config: Any) -> None:
     batch invariance, the capture (its directory, budget values, ``--enforce-eager``), the kernel
     table, a routing path that skips the gate. Raises ValueError with one line."""
     from vllm_router_ext.models.override import _capture_settings, _unless_bypassed
-    from vllm_router_ext.precision import CHECKED_KEY, resolve_router_settings
+    from vllm_router_ext.precision import (
+        CHECKED_KEY,
+        DRAFT_CONFIG_KEY,
+        resolve_draft_precision,
+        resolve_router_settings,
+    )
 
     check_keys(vllm_config.additional_config)
     models = {"target": vllm_config}
@@ -216,6 +221,17 @@ def check_settings(vllm_config: Any) -> None:
         checked[role] = settings.to_json()
     if isinstance(vllm_config.additional_config, dict):  # every engine process takes these as checked
         vllm_config.additional_config[CHECKED_KEY] = checked
+    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+    own = resolve_draft_precision(
+        cli=extra.get(CLI_DRAFT_CONFIG_KEY), additional_config=extra.get(DRAFT_CONFIG_KEY)
+    )
+    if own is not None and "draft" not in models:
+        from vllm.logger import init_logger
+
+        init_logger(f"vllm.{__name__}").warning(
+            "vllm-router-ext: the draft router precision (from %s) does nothing without a speculative-"
+            "decoding draft (--speculative-config)", own[1],
+        )  # fmt: skip
 
 
 def _check_capture_floor(capture: Any, hf_config: Any) -> None:
