@@ -102,10 +102,10 @@ def test_capture_needs_eager_mode_and_skips_drafts(tmp_path):
         extra = {"router_capture_dir": str(tmp_path)}
         return SimpleNamespace(additional_config=extra, model_config=SimpleNamespace(enforce_eager=eager))
 
-    assert _capture_settings(config(True), "DeepseekV3ForCausalLM").directory == tmp_path
-    assert _capture_settings(config(False), "DeepSeekMTPModel") is None  # drafts are not recorded
+    assert _capture_settings(config(True), draft=False).directory == tmp_path
+    assert _capture_settings(config(False), draft=True) is None  # drafts are not recorded
     with pytest.raises(CaptureError, match="add --enforce-eager"):
-        _capture_settings(config(False), "DeepseekV3ForCausalLM")
+        _capture_settings(config(False), draft=False)
 
 
 def _recorder(tmp_path: Path, tokens: int, monkeypatch, hidden: int = 8) -> GateCapture:
@@ -524,7 +524,10 @@ def test_a_disk_that_fills_mid_capture_stops_the_capture_not_serving_and_the_aud
     assert meta["ended"].startswith("could not write: No space left on device") and not meta["complete"]
     assert len(kept) == 1 and 0 < (n := kept.pop()) < 64 * len(seen) and n % 64 == 0
     rec.close()  # the stop after the disk filled: nothing more to do, nothing dies
-    c.trim_unfinished(tiny_disk, 1)  # where the engine started: trimming needs room it lacks
+    caplog.clear()
+    with caplog.at_level("ERROR"):
+        c.trim_unfinished(tiny_disk, 1)  # where the engine started: trimming needs room it lacks
+    assert "could not finish the router capture" in caplog.text and "untrimmed" in caplog.text
     read = c.read_capture(tiny_disk, "router-capture-1-dp0")
     assert torch.equal(read.tensors["layers.1"], torch.cat(seen)[:n])
     assert torch.equal(read.tensors["logits.2"], torch.cat(seen)[:n].float())

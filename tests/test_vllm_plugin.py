@@ -612,3 +612,31 @@ def test_a_draft_precision_without_a_draft_is_named_once(vllm_dist, tmp_path, ca
         "vllm-router-ext: the draft router precision (from additional_config['router_precision_draft']) does "
         "nothing without a speculative-decoding draft (--speculative-config)"
     ]
+
+
+def test_the_checked_capture_travels_with_the_engine(vllm_dist, tmp_path, monkeypatch):
+    """The capture checked where the engine starts is what every engine process records with,
+    whatever its own environment says."""
+    from vllm.config import ModelConfig
+    from vllm_configs import engine_free_config
+
+    from vllm_router_ext.capture import resolve_capture
+    from vllm_router_ext.cli import check_settings
+    from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
+
+    path = build_tiny_deepseek_v3(tmp_path / "tiny")
+    model = ModelConfig(model=str(path), dtype="bfloat16", max_model_len=256, enforce_eager=True)
+    monkeypatch.setenv("VLLM_ROUTER_CAPTURE_DIR", str(tmp_path / "here"))
+    monkeypatch.setenv("VLLM_ROUTER_CAPTURE_TOKENS", "64")
+    cfg = engine_free_config(model_config=model)
+    check_settings(cfg)
+    monkeypatch.setenv("VLLM_ROUTER_CAPTURE_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("VLLM_ROUTER_CAPTURE_TOKENS", "abc")
+    got = resolve_capture(cfg.additional_config)
+    assert got.directory == tmp_path / "here" and got.tokens == 64
+    assert got.source == "environment variable VLLM_ROUTER_CAPTURE_DIR" and (tmp_path / "here").is_dir()
+    plain = engine_free_config(model_config=model, additional_config={"router_precision": "fp32"})
+    monkeypatch.delenv("VLLM_ROUTER_CAPTURE_DIR")
+    check_settings(plain)
+    monkeypatch.setenv("VLLM_ROUTER_CAPTURE_DIR", str(tmp_path / "elsewhere"))
+    assert resolve_capture(plain.additional_config) is None  # none was asked where the engine started

@@ -35,6 +35,7 @@ a full or truncated file is an error message, never a bus error.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -50,6 +51,7 @@ from typing import Any
 import torch
 
 from csrc_triton import environment
+from vllm_router_ext.settings import CHECKED
 
 # Under "vllm." so that, inside vLLM, its handlers and format apply.
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -174,10 +176,21 @@ class CaptureSettings:
     memory_limit_source: str | None = None
     tokens_source: str | None = None  # None: the default budget
 
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "directory": str(self.directory)}
+
+    @classmethod
+    def from_json(cls, value: dict) -> CaptureSettings:
+        return cls(**{**value, "directory": Path(value["directory"])})
+
 
 def resolve_capture(additional_config: dict, env: dict[str, str] | None = None) -> CaptureSettings | None:
     """The capture request from its sources (command line, ``additional_config``, environment:
-    for each setting the first one set wins, as for the precision); None when none asks for one."""
+    for each setting the first one set wins, as for the precision); None when none asks for one.
+    Where the settings were checked where the engine started, those (they travel with it)."""
+    checked = additional_config.get(CHECKED)
+    if isinstance(checked, dict) and "capture" in checked:
+        return None if checked["capture"] is None else CaptureSettings.from_json(checked["capture"])
     env = environment.capture() if env is None else env
 
     def first(cli_key: str, flag: str, key: str, env_name: str) -> tuple[Any, str]:

@@ -213,6 +213,8 @@ def check_settings(vllm_config: Any) -> None:
         capture = _capture_settings(config, role == "draft")
         if capture is not None:
             _check_capture_floor(capture, config.model_config.hf_config)
+        if role == "target":  # drafts never capture
+            checked["capture"] = None if capture is None else capture.to_json()
         settings = _unless_bypassed(settings, config, arch)
         if settings.owns_gates:
             from csrc_triton.tables import table_choice
