@@ -178,6 +178,13 @@ def install_cli_flags() -> None:
             message = str(e) if str(e).startswith("vllm-router-ext:") else f"vllm-router-ext: {e}"
             init_logger(f"vllm.{__name__}").error("%s", message)
             raise SystemExit(2) from None
+        except Exception as e:  # noqa: BLE001 -- a check that cannot run never stops vLLM
+            from vllm.logger import init_logger
+
+            init_logger(f"vllm.{__name__}").warning(
+                "vllm-router-ext: the router settings could not be checked before the engine (%r); "
+                "each model's build checks them", e,
+            )  # fmt: skip
         finish_captures_at_exit(config.additional_config)
         return config
 
