@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata as md
 import json
+import logging
 import subprocess
 import sys
 
@@ -594,7 +596,24 @@ def test_every_engine_process_takes_the_settings_as_checked_where_the_engine_sta
     assert resolve_router_settings(cfg).precision is RouterPrecision.BF16  # re-resolved: the other value
 
 
-def test_a_draft_precision_without_a_draft_is_named_once(vllm_dist, tmp_path, caplog):
+@contextlib.contextmanager
+def _cli_log():
+    """The messages the plugin's CLI logger emits while the block runs (vLLM's loggers may not
+    propagate to pytest's capture)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.vllm_router_ext.cli")
+    logger.addHandler(handler)
+    messages: list[str] = []
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        messages += [r.getMessage() for r in records]
+
+
+def test_a_draft_precision_without_a_draft_is_named_once(vllm_dist, tmp_path):
     from vllm.config import ModelConfig
     from vllm_configs import engine_free_config
 
@@ -603,11 +622,11 @@ def test_a_draft_precision_without_a_draft_is_named_once(vllm_dist, tmp_path, ca
 
     path = build_tiny_deepseek_v3(tmp_path / "tiny")
     model = ModelConfig(model=str(path), dtype="bfloat16", max_model_len=256)
-    with caplog.at_level("WARNING"):
+    with _cli_log() as messages:
         check_settings(
             engine_free_config(model_config=model, additional_config={"router_precision_draft": "vllm"})
         )
-    lines = [r.getMessage() for r in caplog.records if "draft router precision" in r.getMessage()]
+    lines = [m for m in messages if "draft router precision" in m]
     assert lines == [
         "vllm-router-ext: the draft router precision (from additional_config['router_precision_draft']) does "
         "nothing without a speculative-decoding draft (--speculative-config)"
@@ -640,3 +659,30 @@ def test_the_checked_capture_travels_with_the_engine(vllm_dist, tmp_path, monkey
     check_settings(plain)
     monkeypatch.setenv("VLLM_ROUTER_CAPTURE_DIR", str(tmp_path / "elsewhere"))
     assert resolve_capture(plain.additional_config) is None  # none was asked where the engine started
+
+
+@pytest.mark.vllm
+def test_a_settings_check_that_cannot_run_never_stops_vllm(tiny_model, monkeypatch, capfd):
+    """``create_engine_config`` with the plugin: a check that breaks on an unexpected config logs
+    one warning and the engine config is made as without the plugin."""
+    import os
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_router_ext.cli as cli
+
+    saved = dict(os.environ)  # vLLM's CPU platform sets process-wide variables while it configures
+    cli.install_cli_flags()
+
+    def broken(config):
+        raise RuntimeError("odd config")
+
+    monkeypatch.setattr(cli, "check_settings", broken)
+    try:
+        config = EngineArgs(model=str(tiny_model), max_model_len=256).create_engine_config()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert config.model_config.hf_config.architectures == ["DeepseekV3ForCausalLM"]
+    out = capfd.readouterr()  # vLLM's own handler writes the line (its loggers may not propagate)
+    assert "could not be checked before the engine (RuntimeError('odd config'))" in out.out + out.err
