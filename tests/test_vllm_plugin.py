@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.metadata as md
 import json
-import logging
 import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from cli_log import cli_warnings
 
 from vllm_router_ext.precision import CLI_BATCH_INVARIANT_KEY, CLI_CONFIG_KEY, RouterPrecision, RouterSettings
 from vllm_router_ext.testing.tiny_checkpoint import vllm_has_cpu_op
@@ -596,23 +595,6 @@ def test_every_engine_process_takes_the_settings_as_checked_where_the_engine_sta
     assert resolve_router_settings(cfg).precision is RouterPrecision.BF16  # re-resolved: the other value
 
 
-@contextlib.contextmanager
-def _cli_log():
-    """The messages the plugin's CLI logger emits while the block runs (vLLM's loggers may not
-    propagate to pytest's capture)."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.vllm_router_ext.cli")
-    logger.addHandler(handler)
-    messages: list[str] = []
-    try:
-        yield messages
-    finally:
-        logger.removeHandler(handler)
-        messages += [r.getMessage() for r in records]
-
-
 def test_a_draft_precision_without_a_draft_is_named_once(vllm_dist, tmp_path):
     from vllm.config import ModelConfig
     from vllm_configs import engine_free_config
@@ -622,7 +604,7 @@ def test_a_draft_precision_without_a_draft_is_named_once(vllm_dist, tmp_path):
 
     path = build_tiny_deepseek_v3(tmp_path / "tiny")
     model = ModelConfig(model=str(path), dtype="bfloat16", max_model_len=256)
-    with _cli_log() as messages:
+    with cli_warnings() as messages:
         check_settings(
             engine_free_config(model_config=model, additional_config={"router_precision_draft": "vllm"})
         )

@@ -3,30 +3,13 @@ no engine and run on every supported vLLM; the ``vllm``-marked ones serve on the
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import subprocess
 
 import pytest
 import torch
+from cli_log import cli_warnings
 
 from vllm_router_ext.testing.server import cpu_env, omp_threads_bind, precision_lines, serve, vllm_command
-
-
-@contextlib.contextmanager
-def _cli_warnings():
-    """The WARNING messages of the plugin's CLI logger while the block runs (filled at its end)."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.vllm_router_ext.cli")
-    logger.addHandler(handler)
-    messages: list[str] = []
-    try:
-        yield messages
-    finally:
-        logger.removeHandler(handler)
-        messages += [r.getMessage() for r in records if r.levelno == logging.WARNING]
 
 
 @pytest.mark.vllm
@@ -211,7 +194,7 @@ def test_capture_tokens_without_a_capture_directory_warns_once():
 
     from vllm_router_ext.cli import add_router_cli_args, apply_router_cli_args
 
-    with _cli_warnings() as messages:
+    with cli_warnings() as messages:
         parser = add_router_cli_args(argparse.ArgumentParser())
         engine_args = argparse.Namespace(additional_config={})
         apply_router_cli_args(engine_args, parser.parse_args(["--router-capture-tokens", "64"]))

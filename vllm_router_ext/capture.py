@@ -346,7 +346,7 @@ class GateCapture:
         reason = f"could not write: {error.strerror or error} ({_errno_name(error)})"
         with contextlib.suppress(OSError):
             os.close(self._fd)
-        kept = "/".join(str(n) for n in sorted(set(self._written.values())))
+        kept = _row_counts(self._written.values())
         try:
             _overwrite_json(self.path.with_suffix(".json"), self._status(self._written, False, reason))
         except OSError as e:
@@ -363,7 +363,7 @@ class GateCapture:
             self._write_status(complete=ended == BUDGET_REACHED, ended=ended)
             message = trim_capture(self.path)
         except OSError as e:  # disk full, directory gone: the server keeps serving
-            kept = "/".join(str(n) for n in sorted(set(self._written.values())))
+            kept = _row_counts(self._written.values())
             logger.error(
                 "vllm-router-ext: could not finish the router capture %s (%s); %s tokens per layer kept, "
                 "untrimmed: vllm-router-audit reads it", self.path, e, kept,
@@ -391,6 +391,11 @@ def _layout(gates: list[GateShape], rows: int) -> tuple[dict[str, int], bytes]:
     offsets = {key: start + off for key, off in relative.items()}
     offsets["end"] = start + at
     return offsets, struct.pack("<Q", len(text)) + text
+
+
+def _row_counts(counts) -> str:
+    """Rows per layer in words: one count, or the distinct ones (``27/28``)."""
+    return "/".join(str(n) for n in sorted(set(counts)))
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -494,7 +499,7 @@ def trim_capture(path: Path, ended: str | None = None) -> str:
     if not meta.get("trimmed"):
         meta["trimmed"] = True
         _atomic_json(meta_path, meta)
-    counts = "/".join(str(n) for n in sorted(set(meta["rows_per_layer"].values())))
+    counts = _row_counts(meta["rows_per_layer"].values())
     state = "complete" if meta["complete"] else f"partial, budget {meta['budget_tokens']}: {meta['ended']}"
     return f"wrote the router capture {path} ({counts} tokens x {len(meta['layers'])} layers, {state})"
 
@@ -564,7 +569,7 @@ def read_capture(directory: Path, stem: str) -> CaptureRead:
 
 def describe_capture(info: dict) -> str:
     """One line on where the rows came from, and whether the capture is partial."""
-    rows = "/".join(str(r) for r in sorted(set(info["rows_per_layer"].values())))
+    rows = _row_counts(info["rows_per_layer"].values())
     if info["complete"]:
         return f"capture {info['stem']}: complete, {rows} tokens per layer"
     budget = f" of a {info['budget_tokens']}-token budget" if info.get("budget_tokens") else ""

@@ -41,6 +41,13 @@ _MARK = "_vllm_router_ext_wrapped"
 _FROM_CLI = "_vllm_router_ext_from_cli"  # set on engine arguments parsed from vLLM's command line
 
 
+def _logger():
+    """This module's logger, under "vllm." so vLLM's handlers and format apply (vLLM imported late)."""
+    from vllm.logger import init_logger
+
+    return init_logger(f"vllm.{__name__}")
+
+
 def add_router_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the plugin's flags to a vLLM (or any argparse) parser; safe to call twice."""
     if any(getattr(a, "dest", None) == "router_precision" for a in parser._actions):
@@ -133,12 +140,10 @@ def apply_router_cli_args(engine_args: Any, args: argparse.Namespace) -> Any:
     if getattr(args, "router_capture_memory_limit", None) is not None:
         updates[CLI_MEMORY_LIMIT_KEY] = args.router_capture_memory_limit
     if CLI_DIR_KEY not in updates:
-        from vllm.logger import init_logger
-
         for key, flag in ((CLI_TOKENS_KEY, "--router-capture-tokens"),
                           (CLI_MEMORY_LIMIT_KEY, "--router-capture-memory-limit")):  # fmt: skip
             if key in updates:
-                init_logger(f"vllm.{__name__}").warning(
+                _logger().warning(
                     "vllm-router-ext: %s %s does nothing without --router-capture DIR", flag, updates[key]
                 )
     if updates:
@@ -173,15 +178,11 @@ def install_cli_flags() -> None:
         except ValueError as e:
             if not getattr(self, _FROM_CLI, False):
                 raise SettingsError(str(e)) from None
-            from vllm.logger import init_logger
-
             message = str(e) if str(e).startswith("vllm-router-ext:") else f"vllm-router-ext: {e}"
-            init_logger(f"vllm.{__name__}").error("%s", message)
+            _logger().error("%s", message)
             raise SystemExit(2) from None
         except Exception as e:  # noqa: BLE001 -- a check that cannot run never stops vLLM
-            from vllm.logger import init_logger
-
-            init_logger(f"vllm.{__name__}").warning(
+            _logger().warning(
                 "vllm-router-ext: the router settings could not be checked before the engine (%r); "
                 "each model's build checks them", e,
             )  # fmt: skip
@@ -235,9 +236,7 @@ def check_settings(vllm_config: Any) -> None:
         cli=extra.get(CLI_DRAFT_CONFIG_KEY), additional_config=extra.get(DRAFT_CONFIG_KEY)
     )
     if own is not None and "draft" not in models:
-        from vllm.logger import init_logger
-
-        init_logger(f"vllm.{__name__}").warning(
+        _logger().warning(
             "vllm-router-ext: the draft router precision (from %s) does nothing without a speculative-"
             "decoding draft (--speculative-config)", own[1],
         )  # fmt: skip

@@ -38,7 +38,7 @@ CONFIG_KEY = "router_precision"
 CLI_CONFIG_KEY = "router_precision_cli"
 BATCH_INVARIANT_KEY = "router_batch_invariant"
 DRAFT_CONFIG_KEY = "router_precision_draft"
-#: ``additional_config`` key of the settings checked where the engine starts (per architecture):
+#: ``additional_config`` key of the settings checked where the engine starts (per role, target or draft):
 #: every process of the engine takes them as checked instead of resolving its own sources again.
 CHECKED_KEY = CHECKED
 CLI_DRAFT_CONFIG_KEY = "router_precision_draft_cli"

@@ -69,8 +69,9 @@ def check_keys(additional_config: Any) -> None:
         return
     for key in additional_config:
         if isinstance(key, str) and key.startswith(PREFIX) and key not in KEYS:
-            users = sorted(k for k in KEYS if not k.endswith(CLI_SUFFIX) and k != CHECKED)
-            near = difflib.get_close_matches(key, users, n=1)
+            known = [s.key for s in SETTINGS if s.key]
+            near = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
-            known = ", ".join(s.key for s in SETTINGS if s.key)
-            raise SettingsError(f"unknown key additional_config[{key!r}]{hint} The plugin's keys: {known}")
+            raise SettingsError(
+                f"unknown key additional_config[{key!r}]{hint} The plugin's keys: {', '.join(known)}"
+            )
