@@ -54,6 +54,7 @@ from vllm_router_ext.testing.server import Server, precision_lines, start_server
 from vllm_router_ext.testing.tiny_checkpoint import (  # noqa: E402
     FAMILY_PRESETS,
     GPU_MLA_SIZES,
+    build_tiny_deepseek_v4,
     build_tiny_family,
     build_tiny_model,
 )
@@ -86,6 +87,7 @@ class Spec:
     eager: bool = False
     env: dict = field(default_factory=dict)
     draft: str | None = None  # the precision the MTP draft's gates run, where not ``expect``
+    dummy: bool = False  # served with ``--load-format dummy`` (a config and tokenizer only)
 
     def expect_of(self, gate: str) -> str:
         """The precision of a tapped gate (``target:...`` / ``draft:...``) or a precision line's model."""
@@ -125,6 +127,19 @@ SPECS: dict[str, Spec] = {
     "qwen3-next-fp32": Spec("qwen3-next", ("--router-precision", "fp32")),
     "deepseek-v3.2": Spec("deepseek-v3.2"),
     "glm-5": Spec("glm-5"),
+    # DeepSeek-V4 (V4-Flash's attention and 256-expert gate, tiny otherwise): auto is fp32; the
+    # MTP draft keeps vLLM's own routing precision beside an fp32 target when asked.
+    "v4-auto": Spec("deepseek-v4", dummy=True),
+    "v4-bf16-fp32out": Spec(
+        "deepseek-v4", ("--router-precision", "bf16-fp32out"), "bf16-fp32out", dummy=True
+    ),
+    "v4-mtp-draft": Spec(
+        "deepseek-v4",
+        (*MTP, "--router-precision-draft", "bf16-fp32out"),
+        mtp=1,
+        draft="bf16-fp32out",
+        dummy=True,
+    ),
 }
 #: Served with vLLM's JIT monitor logging every compile after its warm-up (where vLLM has it).
 #: Not its error mode: vLLM's own fused-MoE Triton kernel compiles per new batch size on these
@@ -156,6 +171,9 @@ class Servers:
         self.models: dict[str, Path] = {}
         for name in names:
             spec = SPECS[name]
+            if spec.model == "deepseek-v4":
+                self.models[name] = build_tiny_deepseek_v4(root / f"ckpt-{name}", mtp_layers=spec.mtp)
+                continue
             if spec.model in FAMILY_PRESETS:
                 seed = len(self.models)
                 self.models[name] = build_tiny_family(root / f"ckpt-{name}", spec.model, seed=seed)
@@ -177,6 +195,8 @@ class Servers:
             ]  # fmt: skip
             if name == "v3-capture":
                 args += ["--router-capture", str(work / "capture"), "--router-capture-tokens", "4096"]
+            if spec.dummy:
+                args += ["--load-format", "dummy"]
             if name in JIT_CHECKED and _HAS_JIT_MONITOR:
                 args += ["--jit-monitor-mode", "warn", "--jit-monitor-verbose"]
             args += ["--worker-extension-cls", TAP]
@@ -299,6 +319,10 @@ def judge_tapped_gate(name: str, t: dict, expect: str, routing: RoutingConfig | 
     the same experts)."""
     assert t["precision"] == expect, name
     assert t["out_dtype"] == ("None" if expect == "bf16" else "torch.float32"), name
+    if t.get("hash_routed"):  # DeepSeek-V4's hash layers: a token-id table picks, not these logits
+        routing = None
+        if t["rows_seen"] == 0:
+            return
     sizes = t["sizes"].tolist()
     assert t["rows_seen"] == sum(sizes) and t["x"].shape[0] > 0, name
     if name.startswith("target:"):

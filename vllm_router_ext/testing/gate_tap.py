@@ -142,6 +142,7 @@ class GateTap(StepTimer):
                 "precision": gate.router_settings.precision.value,
                 "batch_invariant": gate.router_settings.batch_invariant,
                 "bias": None if bias is None else bias.detach().cpu().clone(),
+                "hash_routed": getattr(gate, "tid2eid", None) is not None,  # a token-id table routes it
                 "linear_bias": None if gate.bias is None else gate.bias.detach().float().cpu().clone(),
             }
             summary[name] = {"rows": rows, "calls": calls}

@@ -416,6 +416,27 @@ def write_tiny_deepseek_v4_config(out_dir: str | Path, **overrides) -> Path:
     return out
 
 
+#: The attention sizes vLLM's DeepSeek-V4 GPU kernels take (V4-Flash's: FlashMLA's sparse heads,
+#: the compressor's 512-wide head, the indexer's 64 x 128); the rest of :data:`TINY_V4` stays tiny.
+GPU_V4_SIZES = dict(
+    num_attention_heads=64, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_lora_rank=1024,
+    o_groups=8, index_n_heads=64, index_head_dim=128, index_topk=512, sliding_window=128, hc_mult=4,
+    hc_sinkhorn_iters=20, hc_eps=1e-6, n_routed_experts=256, hidden_size=1024,
+)  # fmt: skip
+
+
+def build_tiny_deepseek_v4(out_dir: str | Path, *, mtp_layers: int = 0, **overrides) -> Path:
+    """A tiny DeepSeek-V4 for the GPU (:data:`GPU_V4_SIZES`): config, generation config and
+    tokenizer, no weights (served with ``--load-format dummy``)."""
+    sizes = {**GPU_V4_SIZES, "num_nextn_predict_layers": mtp_layers, **overrides}
+    out = write_tiny_deepseek_v4_config(out_dir, **sizes)
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 0, "eos_token_id": 1, "do_sample": False})
+    )
+    _write_tokenizer(out, TINY_V4["vocab_size"])
+    return out
+
+
 def build_tiny_family(
     out_dir: str | Path, family: str, *, seed: int = 0, overrides: dict | None = None
 ) -> Path:
