@@ -4,11 +4,12 @@ or builds one of the family's architectures, and each family those tests run cla
 from __future__ import annotations
 
 from vllm_router_ext.families import FAMILIES, TESTED, family_of
-from vllm_router_ext.testing.tiny_checkpoint import FAMILY_PRESETS, ROUTING_PRESETS
+from vllm_router_ext.testing.tiny_checkpoint import FAMILY_PRESETS, ROUTING_PRESETS, TINY_V4
 
 
 def _arch(preset: str) -> str:
-    return (ROUTING_PRESETS.get(preset) or FAMILY_PRESETS[preset])["architectures"][0]
+    config = {"deepseek-v4": TINY_V4, **ROUTING_PRESETS, **FAMILY_PRESETS}[preset]
+    return config["architectures"][0]
 
 
 def _runs() -> dict[str, set[str]]:

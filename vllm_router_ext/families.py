@@ -118,7 +118,7 @@ FAMILIES: tuple[MoeFamily, ...] = (
               "DeepSeek's inference code (DeepSeek-V4 inference/model.py, Gate.forward): "
               "linear(x.float(), weight.float()); transformers deepseek_v4 computes in the model dtype",
               drafts=("DeepSeekV4MTPModel", "DSparkDraftModel", "DSparkV41DraftModel"),
-              tested=("construction",), bypassed_by=("mega_moe", "specialized_decode"),
+              tested=_GPU_BUILT, bypassed_by=("mega_moe", "specialized_decode"),
               model_types=("deepseek_v4",), routing="sqrtsoftplus_bias"),
     MoeFamily("Kimi-K3 / Kimi-Linear", ("KimiLinearForCausalLM", "KimiK3ForConditionalGeneration",
               "KimiK31ForConditionalGeneration"), FP32, _REF.format("kimi_linear", _IN_FP32),

@@ -417,8 +417,10 @@ def write_tiny_deepseek_v4_config(out_dir: str | Path, **overrides) -> Path:
 
 
 #: The attention sizes vLLM's DeepSeek-V4 GPU kernels take (V4-Flash's: FlashMLA's sparse heads,
-#: the compressor's 512-wide head, the indexer's 64 x 128); the rest of :data:`TINY_V4` stays tiny.
-GPU_V4_SIZES = dict(
+#: the compressor's 512-wide head, the indexer's 64 x 128) and four layers, so that both compressed
+#: attention kinds appear as in the release (three heavily compressed layers alone fail vLLM's
+#: state-cache block check); the rest of :data:`TINY_V4` stays tiny.
+GPU_V4_SIZES = dict(num_hidden_layers=4,
     num_attention_heads=64, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_lora_rank=1024,
     o_groups=8, index_n_heads=64, index_head_dim=128, index_topk=512, sliding_window=128, hc_mult=4,
     hc_sinkhorn_iters=20, hc_eps=1e-6, n_routed_experts=256, hidden_size=1024,
