@@ -167,6 +167,9 @@ def test_a_gate_of_ours_warms_its_kernels_once_its_weight_is_final(vllm_dist, mo
     assert weight is gate.weight and precision is FP32 and batch_invariant
     assert x_dtype == torch.bfloat16 and max_m >= 3000 and terms is None
     stock = _gate()  # outside the scope: vLLM's own method, no warm-up of ours
+    # vLLM's CPU path packs the weight with a kernel a CUDA wheel lacks on some hosts: not ours.
+    cpu_pack = "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"
+    monkeypatch.setattr(cpu_pack, lambda *a, **k: None)
     stock.quant_method.process_weights_after_loading(stock)
     assert len(calls) == 1
 
