@@ -94,6 +94,7 @@ class Spec:
         return self.draft if self.draft and ("draft" in gate or "MTP" in gate) else self.expect
 
 
+V4 = "deepseek-v4"  # served from a config alone (build_tiny_deepseek_v4), with dummy weights
 MTP = ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1}))
 SPECS: dict[str, Spec] = {
     "v3-auto": Spec("deepseek-v3"),
@@ -129,12 +130,10 @@ SPECS: dict[str, Spec] = {
     "glm-5": Spec("glm-5"),
     # DeepSeek-V4 (V4-Flash's attention and 256-expert gate, tiny otherwise): auto is fp32; the
     # MTP draft keeps vLLM's own routing precision beside an fp32 target when asked.
-    "v4-auto": Spec("deepseek-v4", dummy=True),
-    "v4-bf16-fp32out": Spec(
-        "deepseek-v4", ("--router-precision", "bf16-fp32out"), "bf16-fp32out", dummy=True
-    ),
+    "v4-auto": Spec(V4, dummy=True),
+    "v4-bf16-fp32out": Spec(V4, ("--router-precision", "bf16-fp32out"), "bf16-fp32out", dummy=True),
     "v4-mtp-draft": Spec(
-        "deepseek-v4",
+        V4,
         (*MTP, "--router-precision-draft", "bf16-fp32out"),
         mtp=1,
         draft="bf16-fp32out",
@@ -171,7 +170,7 @@ class Servers:
         self.models: dict[str, Path] = {}
         for name in names:
             spec = SPECS[name]
-            if spec.model == "deepseek-v4":
+            if spec.model == V4:
                 self.models[name] = build_tiny_deepseek_v4(root / f"ckpt-{name}", mtp_layers=spec.mtp)
                 continue
             if spec.model in FAMILY_PRESETS:
@@ -280,7 +279,7 @@ def test_serves_with_defaults_and_names_the_gpu_kernels(servers, spec):
     assert "Traceback" not in log
     if not SPECS[spec].eager:
         assert "Capturing CUDA graphs" in log or "Graph capturing finished" in log, "no CUDA graphs captured"
-        if SPECS[spec].model in (*DSA, "deepseek-v4"):  # vLLM's default for sparse attention
+        if SPECS[spec].model in (*DSA, V4):  # vLLM's default for sparse attention
             assert "Breakable CUDA graph enabled" in log
         else:
             assert "torch.compile" in log, "the model was not compiled"

@@ -237,6 +237,12 @@ def fp8_block_quantize(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.T
     return q.to(torch.float8_e4m3fn).contiguous(), scale.float()
 
 
+def _write_generation_config(out: Path) -> None:
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 0, "eos_token_id": 1, "do_sample": False})
+    )
+
+
 def _write_tokenizer(out: Path, vocab_size: int) -> None:
     """Train a byte-level BPE on this Python installation's own stdlib sources (always local)."""
     import os
@@ -305,9 +311,7 @@ def build_tiny_deepseek_v3(
     }
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": 0, "eos_token_id": 1, "do_sample": False})
-    )
+    _write_generation_config(out)
     _write_tokenizer(out, cfg["vocab_size"])
     return out
 
@@ -420,10 +424,10 @@ def write_tiny_deepseek_v4_config(out_dir: str | Path, **overrides) -> Path:
 #: the compressor's 512-wide head, the indexer's 64 x 128) and four layers, so that both compressed
 #: attention kinds appear as in the release (three heavily compressed layers alone fail vLLM's
 #: state-cache block check); the rest of :data:`TINY_V4` stays tiny.
-GPU_V4_SIZES = dict(num_hidden_layers=4,
-    num_attention_heads=64, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_lora_rank=1024,
-    o_groups=8, index_n_heads=64, index_head_dim=128, index_topk=512, sliding_window=128, hc_mult=4,
-    hc_sinkhorn_iters=20, hc_eps=1e-6, n_routed_experts=256, hidden_size=1024,
+GPU_V4_SIZES = dict(
+    num_hidden_layers=4, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024,
+    o_lora_rank=1024, o_groups=8, index_n_heads=64, index_head_dim=128, index_topk=512, sliding_window=128,
+    hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, n_routed_experts=256, hidden_size=1024,
 )  # fmt: skip
 
 
@@ -432,9 +436,7 @@ def build_tiny_deepseek_v4(out_dir: str | Path, *, mtp_layers: int = 0, **overri
     tokenizer, no weights (served with ``--load-format dummy``)."""
     sizes = {**GPU_V4_SIZES, "num_nextn_predict_layers": mtp_layers, **overrides}
     out = write_tiny_deepseek_v4_config(out_dir, **sizes)
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": 0, "eos_token_id": 1, "do_sample": False})
-    )
+    _write_generation_config(out)
     _write_tokenizer(out, TINY_V4["vocab_size"])
     return out
 
