@@ -499,9 +499,37 @@ def tune_batch_invariant(
 TARGETED_GEMV = {  # M -> (block_m, block_n, num_warps, maxnreg, copy_stages)
     1: [(1, 1, 8, 255, 0), (1, 1, 16, 0, 0), (1, 1, 8, 0, 0)],
     2: [(1, 1, 8, 255, 0), (2, 1, 8, 255, 0), (2, 1, 16, 0, 0)],
-    4: [(1, 2, 4, 255, 0), (2, 2, 8, 255, 0), (2, 2, 4, 0, 8), (2, 1, 8, 0, 0), (1, 2, 4, 0, 0)],
-    8: [(1, 4, 4, 0, 0), (4, 2, 4, 0, 0), (4, 2, 8, 255, 0), (4, 2, 4, 0, 4)],
-    16: [(4, 4, 4, 0, 0), (4, 2, 4, 0, 0), (2, 4, 4, 0, 0)],
+    4: [
+        (1, 2, 4, 255, 0),
+        (2, 2, 8, 255, 0),
+        (2, 2, 4, 0, 8),
+        (2, 2, 4, 255, 8),
+        (2, 1, 8, 0, 0),
+        (2, 1, 8, 255, 0),
+        (1, 2, 4, 0, 0),
+    ],
+    # each with and without the whole register file: Triton 3.8 issues fewer of the chunks' loads
+    # up front without it than 3.6 did (benchmarks/NOTES.md)
+    8: [
+        (1, 4, 4, 0, 0),
+        (1, 4, 4, 255, 0),
+        (4, 2, 4, 0, 0),
+        (4, 2, 4, 255, 0),
+        (4, 2, 8, 255, 0),
+        (4, 2, 4, 0, 4),
+        (2, 2, 8, 255, 0),
+    ],
+    16: [
+        (4, 4, 4, 0, 0),
+        (4, 4, 4, 255, 0),
+        (4, 4, 8, 0, 0),
+        (4, 2, 4, 0, 0),
+        (4, 2, 4, 255, 0),
+        (4, 2, 8, 255, 0),
+        (2, 4, 4, 0, 0),
+        (2, 4, 4, 255, 0),
+        (4, 1, 4, 255, 0),
+    ],
 }
 TARGETED_FP32_MID = [(64, 64, 1024, 4), (64, 64, 2048, 4), (128, 128, 3584, 8)]
 #: The fp32 mode's warp-specialised wgmma kernel (Hopper): from this M, K split into these many
@@ -581,11 +609,17 @@ def merge_buckets(old: list[dict], new: dict[int, tuple[float, KernelLaunch]], m
 
 
 def tune_targeted(
-    shape, mode: str, old: list[dict], ms, old_triton: list[dict] | None = None
+    shape,
+    mode: str,
+    old: list[dict],
+    ms,
+    old_triton: list[dict] | None = None,
+    record: list[dict] | None = None,
 ) -> tuple[list[dict], dict[int, tuple[float, KernelLaunch]]]:
     """Time the targeted candidates and the table's current config at each M; keep the fastest
     (and return the fastest Triton config per M, the table's ``<mode>/triton`` one among them:
-    the targeted candidates alone are a subset of the full search that chose it)."""
+    the targeted candidates alone are a subset of the full search that chose it). Every timing
+    is appended to ``record`` (for :func:`choose_across`)."""
     new = {}
     triton_by_m = {}
     for m in ms:
@@ -607,6 +641,11 @@ def tune_targeted(
             if c.kernel == "cublas" or _check(c, xs[0], ws[0], mode)
         ]
         results = sorted(timed, key=lambda r: r[0])
+        if record is not None:
+            record += [
+                {"shape": shape.name, "mode": mode, "m": m, "launch": to_bucket(c), "us": round(t, 3)}
+                for t, c in results
+            ]
         new[m] = fastest_launch_form(results, xs, ws, mode)
         if (fastest := _fastest_triton(results)) is not None:
             triton_by_m[m] = fastest
@@ -617,6 +656,46 @@ def tune_targeted(
             flush=True,
         )
     return merge_buckets(old, new, M_LIST), triton_by_m
+
+
+def choose_across(table: dict, records: list[dict]) -> list[str]:
+    """``--across``: rewrite ``table``'s buckets at the M that every record timed with the launch
+    whose worst slowdown against each Triton's fastest is smallest (the records: ``--record``
+    files of the same candidates, one per Triton version). Each chosen bucket notes its time under
+    each Triton (``us_by_triton``). Returns one line per choice for the log."""
+    tritons = [r["triton"] for r in records]
+    by_point: dict[tuple, dict[str, dict[str, float]]] = {}  # (shape, mode, m) -> launch -> triton -> µs
+    for rec in records:
+        for t in rec["timings"]:
+            launch = json.dumps(t["launch"], sort_keys=True)
+            point = by_point.setdefault((t["shape"], t["mode"], t["m"]), {})
+            point.setdefault(launch, {})[rec["triton"]] = t["us"]
+    lines = []
+    chosen: dict[tuple[str, str], dict[int, tuple[float, KernelLaunch, dict]]] = {}
+    for (shape, mode, m), launches in sorted(by_point.items()):
+        fastest = {v: min(us[v] for us in launches.values() if v in us) for v in tritons}
+        common = {k: us for k, us in launches.items() if len(us) == len(tritons)}
+        if not common:
+            continue
+        launch, us = min(common.items(), key=lambda kv: max(kv[1][v] / fastest[v] for v in tritons))
+        worst = max(us[v] / fastest[v] for v in tritons)
+        cfg = from_bucket(json.loads(launch), "table")
+        chosen.setdefault((shape, mode), {})[m] = (us[tritons[0]], cfg, us)
+        lines.append(
+            f"{shape} {mode} M={m}: {describe(cfg)} "
+            + ", ".join(f"{v} {us[v]:.2f} µs ({us[v] / fastest[v]:.2f}x its fastest)" for v in tritons)
+            + f"; worst {worst:.2f}x"
+        )
+    for (shape_name, mode), points in chosen.items():
+        shape = SHAPE_BY_NAME[shape_name]
+        buckets = table["shapes"][f"{shape.k}x{shape.n}"][mode]
+        buckets[:] = merge_buckets(buckets, {m: (t, c) for m, (t, c, _) in points.items()}, M_LIST)
+        for b in buckets:
+            point = points.get(b["max_m"]) if b["max_m"] is not None else None
+            if point is not None and fields(from_bucket(b, "")) == fields(point[1]):
+                b["us_by_triton"] = {v: round(us, 3) for v, us in point[2].items()}
+    table["tritons"] = tritons
+    return lines
 
 
 def refine_table_split_sums(shape, key: str, old: list[dict], ms) -> list[dict]:
@@ -665,6 +744,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-bi", action="store_true", help="leave the batch-invariant buckets as they are")
     p.add_argument(
+        "--record",
+        default=None,
+        help="with --targeted: also write every candidate's timing here (JSON, with the Triton version)",
+    )
+    p.add_argument(
+        "--across",
+        default=None,
+        help="with --merge and --out, no GPU: comma-separated --record files of the same candidates "
+        "under different Tritons; each of their M takes the launch whose worst slowdown against "
+        "each Triton's fastest is smallest",
+    )
+    p.add_argument(
         "--compile-only",
         action="store_true",
         help="compile and check every candidate of the full search for --shapes, --modes and --m; "
@@ -683,6 +774,16 @@ def main(argv: list[str] | None = None) -> int:
     if (args.targeted or args.refine_split_sum) and not args.merge:
         p.error("--targeted and --refine-split-sum need --merge TABLE")
     ms = [int(m) for m in args.m.split(",")]
+    if args.across:
+        if not (args.merge and args.out):
+            p.error("--across needs --merge TABLE and --out FILE")
+        table = json.loads(Path(args.merge).read_text(encoding="utf-8"))
+        records = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.across.split(",")]
+        for line in choose_across(table, records):
+            print(line)
+        Path(args.out).write_text(json.dumps(table, indent=1))
+        print(f"[tune] wrote {args.out}")
+        return 0
     if args.compile_only:
         for name in args.shapes.split(","):
             compile_candidates(SHAPE_BY_NAME[name], args.modes.split(","), ms)
@@ -697,14 +798,20 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     table["triton"] = triton.__version__
+    record: list[dict] | None = [] if args.record else None
     # The dispatch reads the table being written, whatever its name or VLLM_ROUTER_EXT_TABLE says.
     with table_override(str(out.resolve())):
-        _tune_shapes(args, table, out, ms, bi_default_m=args.m == p.get_default("m"))
+        _tune_shapes(args, table, out, ms, bi_default_m=args.m == p.get_default("m"), record=record)
+    if args.record:
+        rec = {"triton": triton.__version__, "torch": torch.__version__, "device": name, "timings": record}
+        Path(args.record).write_text(json.dumps(rec, indent=1))
     print(f"[tune] wrote {out}")
     return 0
 
 
-def _tune_shapes(args: argparse.Namespace, table: dict, out: Path, ms: list[int], bi_default_m: bool) -> None:
+def _tune_shapes(
+    args: argparse.Namespace, table: dict, out: Path, ms: list[int], bi_default_m: bool, record: list | None
+) -> None:
     t0 = time.time()
     for shape in SHAPE_BY_NAME.values():
         if shape.name not in args.shapes.split(","):
@@ -720,7 +827,7 @@ def _tune_shapes(args: argparse.Namespace, table: dict, out: Path, ms: list[int]
             if args.targeted:
                 previous = entry.get(mode, [])
                 entry[mode], triton_by_m = tune_targeted(
-                    shape, mode, previous, ms, entry.get(f"{mode}/triton")
+                    shape, mode, previous, ms, entry.get(f"{mode}/triton"), record
                 )
                 _triton_buckets(entry, mode, previous, triton_by_m, M_LIST)
                 out.write_text(json.dumps(table, indent=1))

@@ -112,7 +112,7 @@ BY_KERNEL: dict[str, type] = {
     t.kernel: t for t in (GemvLaunch, SplitKLaunch, TiledLaunch, WgmmaWsLaunch, CublasLaunch)
 }
 #: Bucket keys that are notes, not launch fields.
-NOTE_KEYS = frozenset(("max_m", "us", "worst_ratio", "fastest_us", "kernel"))
+NOTE_KEYS = frozenset(("max_m", "us", "us_by_triton", "worst_ratio", "fastest_us", "kernel"))
 #: Each kind's launch fields (read once: a table bucket becomes its launch on every dispatch).
 _FIELDS = {
     kind: frozenset(f.name for f in dataclasses.fields(kind)) - {"source"} for kind in BY_KERNEL.values()

@@ -74,11 +74,7 @@ def test_bench_and_tune_help():
 def test_tuner_batch_invariant_candidates_are_well_formed():
     """Every K structure the tuner compares: its reference is the first tile, each candidate holds
     whole promotions per split, and every tuned M has a candidate."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tune", REPO / "benchmarks/tune.py")
-    tune = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tune)
+    tune = _tune_module()
     for mode in ("bf16-fp32out", "fp32"):
         structures = tune.bi_structures(mode)
         assert len(structures) == len(tune.BI_K_STRUCTURES)
@@ -95,6 +91,54 @@ def test_tuner_batch_invariant_candidates_are_well_formed():
                 assert c.k_per_split % (c.block_k * (c.promote_chunks or 1)) == 0, c
             for m in tune.BI_M:
                 assert any(tune._bi_fits(c, m) for c in cfgs), (structure, m)
+
+
+def _tune_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tune", REPO / "benchmarks/tune.py")
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    return tune
+
+
+def test_tuner_choice_across_tritons_minimises_the_worst_slowdown(tmp_path):
+    """``tune.py --across``: per M, the launch whose worst ratio to each Triton's fastest is the
+    smallest, not the fastest under any one Triton; launches missing from a record never win;
+    the chosen bucket keeps its time under each Triton; buckets at other M stay."""
+    import random
+
+    from csrc_triton.launches import GemvLaunch, from_bucket, to_bucket
+
+    tune = _tune_module()
+    rng = random.Random()
+    a, b, c = GemvLaunch(1, 4), GemvLaunch(1, 4, maxnreg=255), GemvLaunch(4, 2, num_warps=8)
+    base = rng.uniform(3.0, 6.0)
+    # a: fastest under the old Triton, 1.8x under the new; b: 3 % behind a, fine under both;
+    # c: fastest under the new (the ratios' measure), timed under one Triton only
+    times = {"3.6.0": {a: base, b: base * 1.03}, "3.8.0": {a: base * 1.8, b: base * 1.01, c: base * 0.9}}
+    records = [
+        {"triton": v, "timings": [
+            {"shape": "DeepSeek-V3", "mode": "fp32", "m": 8, "launch": to_bucket(k), "us": us}
+            for k, us in t.items()
+        ]}
+        for v, t in times.items()
+    ]  # fmt: skip
+    old = [
+        {"max_m": 4, **to_bucket(GemvLaunch(1, 2, maxnreg=255)), "us": 4.0},
+        {"max_m": 8, **to_bucket(a), "us": 5.0},
+        {"max_m": None, **to_bucket(GemvLaunch(4, 4)), "us": 6.0},
+    ]
+    table = {"shapes": {"7168x256": {"fp32": [dict(x) for x in old]}}}
+    lines = tune.choose_across(table, records)
+    new = table["shapes"]["7168x256"]["fp32"]
+    by_m = {bucket["max_m"]: bucket for bucket in new}
+    assert from_bucket(by_m[8], "") == from_bucket(to_bucket(b), ""), new
+    assert by_m[8]["us_by_triton"] == {"3.6.0": round(base * 1.03, 3), "3.8.0": round(base * 1.01, 3)}
+    assert from_bucket(by_m[4], "heuristic") == GemvLaunch(1, 2, maxnreg=255)
+    assert by_m[None]["kernel"] == "gemv" and "us_by_triton" not in by_m[None]
+    assert table["tritons"] == ["3.6.0", "3.8.0"] and len(lines) == 1
+    assert "worst 1.12x" in lines[0]  # against c, 3.8.0's fastest
 
 
 def test_fp32_configs_promote_short_chains_of_two_or_more_chunks():
