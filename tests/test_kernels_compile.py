@@ -8,6 +8,9 @@ run: the H200 with its tuned table, and H100 / A100 / L40S / B200 with the heuri
 On sm_90 this includes the Gluon ``wgmma_ws`` kernel, which has no interpreter form at all.
 Heuristic configs (never measured on those GPUs) must not spill registers (beyond one parked
 8-byte value); tuned entries were timed on their GPU and may (the tuner keeps the fastest).
+The H200 table's 16-bit-weight launches are also compiled with the Triton each CUDA build of
+vLLM pins (``TRITON_OF_VLLM``, installed into ``.tritons/`` by ``scripts/setup_cpu_env.sh``):
+none may spill there, since a spill under the user's Triton is how a tuned bucket silently slows.
 """
 
 from __future__ import annotations
@@ -18,6 +21,11 @@ import subprocess
 import sys
 
 import pytest
+
+from vllm_router_ext.testing.aot import TRITON_OF_VLLM
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+USERS_TRITONS = sorted(set(TRITON_OF_VLLM.values()))
 
 GPUS = [
     # (compute capability x10, device name, SMs): the name selects a tuned table if there is one.
@@ -69,6 +77,52 @@ def test_every_dispatched_kernel_compiles(compile_runs, arch, name, sms):
     # it, one LDL after, per program), which is not register pressure
     spilled = [r["what"] for r in results if r["spill_bytes"] > 8 and r["source"] == "heuristic"]
     assert not spilled, f"heuristic configs spill registers on sm_{arch}: {spilled}"
+
+
+@pytest.fixture(scope="module")
+def users_triton_runs(tmp_path_factory):
+    """One compile run of the H200 table's shapes per users' Triton, all started at once."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    runs = {}
+    for version in USERS_TRITONS:
+        site = os.path.join(REPO, ".tritons", version)
+        if not os.path.isfile(os.path.join(site, "triton", "__init__.py")):
+            runs[version] = None
+            continue
+        out = tmp_path_factory.mktemp(f"aot-triton-{version}")
+        env_one = env | {
+            "TRITON_CACHE_DIR": str(out / "triton-cache"),
+            "PYTHONPATH": os.pathsep.join([site, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        }
+        cmd = [sys.executable, "-m", "vllm_router_ext.testing.aot", "--arch", "90", "--shapes", "table"]
+        cmd += ["--device-name", "NVIDIA H200", "--weights", "16-bit", "--json", str(out / "aot.json")]
+        log = open(out / "log.txt", "w")  # noqa: SIM115 -- closed below, after the process ends
+        proc = subprocess.Popen(cmd, env=env_one, stdout=log, stderr=subprocess.STDOUT)
+        runs[version] = (proc, out, log)
+    yield runs
+    for run in runs.values():
+        if run is not None:
+            proc, _, log = run
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            log.close()
+
+
+@pytest.mark.parametrize("version", USERS_TRITONS)
+def test_tuned_table_compiles_without_spills_under_the_triton_users_run(users_triton_runs, version):
+    run = users_triton_runs[version]
+    assert run is not None, f"Triton {version} is not in .tritons/{version}: run scripts/setup_cpu_env.sh"
+    proc, out, _ = run
+    returncode = proc.wait(timeout=1200)
+    log = (out / "log.txt").read_text(encoding="utf-8")
+    assert returncode == 0, log[-5000:]
+    assert f"with Triton {version};" in log, log[-500:]  # the pinned Triton, not the installed one
+    results = json.loads((out / "aot.json").read_text(encoding="utf-8"))
+    assert {"_gemv_kernel", "_splitk_partials_kernel", "_wgmma_ws_kernel"} <= {r["kernel"] for r in results}
+    assert any(r["source"].startswith("tuned") for r in results)
+    spilled = sorted({f"{r['what']}: {r['spill_bytes']} B" for r in results if r["spill_bytes"]})
+    assert not spilled, f"tuned launches spill registers under Triton {version}: {spilled}"
 
 
 def test_wgmma_ws_forms_compile_for_sm90_without_spills():

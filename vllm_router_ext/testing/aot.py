@@ -35,6 +35,9 @@ from csrc_triton.launches import KernelLaunch
 from vllm_router_ext.benchmarking import SHAPE_BY_NAME, SHAPES, RouterShape
 from vllm_router_ext.precision import RouterPrecision
 
+#: The Triton each supported CUDA build of vLLM pins: what its users compile these kernels with.
+TRITON_OF_VLLM = {"0.32": "3.7.1", "0.33": "3.8.0", "0.34": "3.8.0"}
+
 #: M values whose configs are compiled: the tables' bucket bounds lie between these.
 M_POINTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -119,16 +122,16 @@ def _arg_key(arg) -> object:
 
 
 def launches_to_compile(
-    shape: RouterShape, device_name: str, sm_count: int, arch: int
+    shape: RouterShape, device_name: str, sm_count: int, arch: int, cases=CASES
 ) -> list[tuple[str, RouterPrecision, torch.dtype, int, KernelLaunch]]:
     """(label, mode, weight dtype, M, launch) of every distinct Triton launch the choice makes for this
-    shape on this GPU: each case of :data:`CASES`, batch invariance off and on (not for ``bf16``,
-    which has no batch-invariant form), at every M of :data:`M_POINTS`."""
+    shape on this GPU: each of ``cases``, batch invariance off and on (not for ``bf16``, which has
+    no batch-invariant form), at every M of :data:`M_POINTS`."""
     from vllm_router_ext.ops.choice import Device, Problem, choose
 
     device = Device(device_name, sm_count, arch)
     seen: dict = {}
-    for mode, w_dtype in CASES:
+    for mode, w_dtype in cases:
         for bi in (False, True) if mode is not RouterPrecision.BF16 else (False,):
             for m in M_POINTS:
                 launch = choose(Problem(m, shape.k, shape.n, mode, bi, torch.bfloat16, w_dtype, device))
@@ -140,7 +143,12 @@ def launches_to_compile(
 
 
 def compile_configs(
-    shapes: list[RouterShape], device_name: str, sm_count: int, arch: int, progress: bool = False
+    shapes: list[RouterShape],
+    device_name: str,
+    sm_count: int,
+    arch: int,
+    progress: bool = False,
+    cases=CASES,
 ) -> list[Compiled]:
     """Compile every kernel of every launch (:func:`launches_to_compile`) for ``sm_<arch>``."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -152,7 +160,7 @@ def compile_configs(
     results: list[Compiled] = []
     done: dict = {}  # (kernel, specialisation) -> Compiled: the same launch compiles once
     for shape in shapes:
-        for label, mode, w_dtype, m, launch in launches_to_compile(shape, device_name, sm_count, arch):
+        for label, mode, w_dtype, m, launch in launches_to_compile(shape, device_name, sm_count, arch, cases):
             x = torch.zeros(m, shape.k, dtype=torch.bfloat16)
             w = torch.zeros(shape.n, shape.k, dtype=w_dtype)
             out_dtype = torch.bfloat16 if mode is RouterPrecision.BF16 else torch.float32
@@ -176,23 +184,47 @@ def compile_configs(
     return results
 
 
+def table_shapes(device_name: str) -> list[RouterShape]:
+    """The benchmark shapes this GPU's tuned table has entries for, one name per (K, N)."""
+    from csrc_triton.tables import has_shape
+
+    by_size = {(s.k, s.n): s for s in reversed(SHAPE_BY_NAME.values()) if has_shape(device_name, s.k, s.n)}
+    return sorted(by_size.values(), key=lambda s: list(SHAPE_BY_NAME).index(s.name))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
     ap.add_argument("--device-name", default="NVIDIA H200", help="GPU whose tuned table is used")
     ap.add_argument("--sms", type=int, default=132)
-    ap.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
+    ap.add_argument(
+        "--shapes",
+        default=",".join(s.name for s in SHAPES),
+        help="benchmark shape names, or 'table': every shape the GPU's tuned table has",
+    )
+    ap.add_argument(
+        "--weights", choices=("all", "16-bit"), default="all", help="'16-bit': leave out fp32 gate weights"
+    )
     ap.add_argument("--json", type=Path, help="write the per-launch results here")
     args = ap.parse_args(argv)
-    unknown = [s for s in args.shapes.split(",") if s not in SHAPE_BY_NAME]
-    if unknown:
-        ap.error(f"unknown shape(s) {', '.join(unknown)}; allowed: {', '.join(SHAPE_BY_NAME)}")
-    shapes = [SHAPE_BY_NAME[s] for s in args.shapes.split(",")]
-    results = compile_configs(shapes, args.device_name, args.sms, args.arch, progress=True)
+    if args.shapes == "table":
+        names = [s.name for s in table_shapes(args.device_name)]
+    else:
+        names = args.shapes.split(",")
+        if unknown := [s for s in names if s not in SHAPE_BY_NAME]:
+            ap.error(f"unknown shape(s) {', '.join(unknown)}; allowed: table, {', '.join(SHAPE_BY_NAME)}")
+    cases = CASES if args.weights == "all" else tuple(c for c in CASES if c[1] is not torch.float32)
+    shapes = [SHAPE_BY_NAME[s] for s in names]
+    results = compile_configs(shapes, args.device_name, args.sms, args.arch, progress=True, cases=cases)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
     spilled = {r for r in results if r.spill_bytes}
-    print(f"{len(set(results))} kernels compiled for sm_{args.arch}; {len(spilled)} spill registers")
+    import triton
+
+    print(
+        f"{len(set(results))} kernels compiled for sm_{args.arch} with Triton {triton.__version__}; "
+        f"{len(spilled)} spill registers"
+    )
     return 0
 
 
