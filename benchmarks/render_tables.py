@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 CUBLAS = "cuBLAS mm out_dtype=fp32"
+HEURISTIC = "heuristic fp32"
 UPCAST = "F.linear fp32 upcast"
 PEER = "peer (TRT-LLM dsv3RouterGemm)"
 #: The page's M points (the benchmark may measure more).
@@ -155,12 +156,44 @@ def render_summary(runs: list[tuple[str, list[dict]]]) -> str:
     return "\n".join(out)
 
 
+def render_by_triton(runs: list[dict]) -> str:
+    """One row per shape and M: our ``fp32`` µs under each run's Triton (the first run the
+    reference: its ratio in brackets), the fastest alternative of each run (the heuristic, cuBLAS)
+    beside it; runs of the same benchmark under different Tritons."""
+    tritons = [run["environment"]["triton"] for run in runs]
+    by_point = [{(r["shape"], r["M"]): r for r in run["speed"]} for run in runs]
+    points = list(dict.fromkeys(p for run in by_point for p in run))
+    heads = ["shape", "M"] + [f"fp32, Triton {v}" for v in tritons]
+    heads += [f"best other, Triton {v}" for v in tritons]
+    out = ["| " + " | ".join(heads) + " |", "|---|" + "---:|" * (len(heads) - 1)]
+    for point in points:
+        if not all(point in run for run in by_point):
+            continue
+        rows = [run[point] for run in by_point]
+        ours = [r[FP32] for r in rows]
+        cells = [f"{ours[0]:.2f}"] + [f"{t:.2f} ({t / ours[0]:.2f}×)" for t in ours[1:]]
+        for r in rows:
+            other = {k: r[k] for k in (HEURISTIC, CUBLAS) if r.get(k)}
+            name, best = min(other.items(), key=lambda kv: kv[1])
+            cells.append(f"{best:.2f} ({'heuristic' if name == HEURISTIC else 'cuBLAS'})")
+        out.append(f"| {point[0]} | {point[1]} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("json", nargs="+", help="a benchmark JSON (with --summary: several, oldest first)")
     p.add_argument("--plots", default=None, help="write bench-h200-<mode>.png files into this folder")
     p.add_argument("--summary", action="store_true", help="one row per shape from every JSON given")
+    p.add_argument(
+        "--by-triton",
+        action="store_true",
+        help="several runs of the same benchmark under different Tritons: our fp32 under each",
+    )
     args = p.parse_args(argv)
+    if args.by_triton:
+        print(render_by_triton([json.loads(Path(f).read_text(encoding="utf-8")) for f in args.json]))
+        return 0
     if args.summary:
         runs = [(Path(f).stem, json.loads(Path(f).read_text(encoding="utf-8"))["speed"]) for f in args.json]
         print(render_summary(runs))

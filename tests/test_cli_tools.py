@@ -359,6 +359,32 @@ def test_render_tables_summary_takes_each_point_from_the_newest_run(tmp_path):
     )
 
 
+def test_render_tables_by_triton_sets_each_run_beside_the_first(tmp_path):
+    """``render_tables.py --by-triton a.json b.json``: per shape and M our fp32 under each run's
+    Triton, the later ones as a ratio to the first, and each run's fastest alternative named;
+    a point one run lacks is left out."""
+
+    def run(triton, rows):
+        speed = [{"shape": "S", "K": 64, "N": 8, "M": m, "ours fp32": t, "heuristic fp32": h,
+                  "cuBLAS mm out_dtype=fp32": c} for m, t, h, c in rows]  # fmt: skip
+        return {"environment": {"triton": triton}, "speed": speed}
+
+    runs = {"a": run("3.6.0", [(8, 4.0, 5.0, 7.0), (16, 6.0, 7.0, 8.0)])}
+    runs["b"] = run("3.8.0", [(8, 9.0, 5.5, 5.0)])
+    for name, data in runs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    cmd = [sys.executable, str(REPO / "benchmarks" / "render_tables.py"), "--by-triton",
+           str(tmp_path / "a.json"), str(tmp_path / "b.json")]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0] == (
+        "| shape | M | fp32, Triton 3.6.0 | fp32, Triton 3.8.0 | best other, Triton 3.6.0 "
+        "| best other, Triton 3.8.0 |"
+    )
+    assert lines[2:] == ["| S | 8 | 4.00 | 9.00 (2.25×) | 5.00 (heuristic) | 5.00 (cuBLAS) |"]
+
+
 def test_the_peer_comes_from_a_file_or_flashinfer_or_a_note_says_how(tmp_path, monkeypatch, capsys):
     from vllm_router_ext import bench
     from vllm_router_ext.benchmarking import PEER, load_peer
