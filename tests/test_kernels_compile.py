@@ -10,7 +10,8 @@ Heuristic configs (never measured on those GPUs) must not spill registers (beyon
 8-byte value); tuned entries were timed on their GPU and may (the tuner keeps the fastest).
 The H200 table's 16-bit-weight launches are also compiled with the Triton each CUDA build of
 vLLM pins (``TRITON_OF_VLLM``, installed into ``.tritons/`` by ``scripts/setup_cpu_env.sh``):
-none may spill there, since a spill under the user's Triton is how a tuned bucket silently slows.
+none may spill there, since a spill under the user's Triton is how a tuned bucket silently slows,
+unless its bucket was timed under that very Triton and won there (``us_by_triton``).
 """
 
 from __future__ import annotations
@@ -121,8 +122,12 @@ def test_tuned_table_compiles_without_spills_under_the_triton_users_run(users_tr
     results = json.loads((out / "aot.json").read_text(encoding="utf-8"))
     assert {"_gemv_kernel", "_splitk_partials_kernel", "_wgmma_ws_kernel"} <= {r["kernel"] for r in results}
     assert any(r["source"].startswith("tuned") for r in results)
-    spilled = sorted({f"{r['what']}: {r['spill_bytes']} B" for r in results if r["spill_bytes"]})
-    assert not spilled, f"tuned launches spill registers under Triton {version}: {spilled}"
+    spilled = [r for r in results if r["spill_bytes"]]
+    unmeasured = sorted(
+        {f"{r['what']}: {r['spill_bytes']} B" for r in spilled if version not in r["timed_under"]}
+    )
+    assert not unmeasured, f"launches spill registers under Triton {version}, never timed there: {unmeasured}"
+    assert all(r["spill_bytes"] <= 32 for r in spilled), spilled  # a few registers' worth at most
 
 
 def test_wgmma_ws_forms_compile_for_sm90_without_spills():

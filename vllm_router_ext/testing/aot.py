@@ -26,7 +26,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -49,6 +49,8 @@ class Compiled:
     kernel: str
     registers: int
     spill_bytes: int
+    #: The Tritons the launch's table bucket was timed under and won (its ``us_by_triton``).
+    timed_under: tuple[str, ...] = ()
 
 
 @contextmanager
@@ -123,11 +125,12 @@ def _arg_key(arg) -> object:
 
 def launches_to_compile(
     shape: RouterShape, device_name: str, sm_count: int, arch: int, cases=CASES
-) -> list[tuple[str, RouterPrecision, torch.dtype, int, KernelLaunch]]:
-    """(label, mode, weight dtype, M, launch) of every distinct Triton launch the choice makes for this
-    shape on this GPU: each of ``cases``, batch invariance off and on (not for ``bf16``, which has
-    no batch-invariant form), at every M of :data:`M_POINTS`."""
-    from vllm_router_ext.ops.choice import Device, Problem, choose
+) -> list[tuple[str, RouterPrecision, torch.dtype, int, KernelLaunch, tuple[str, ...]]]:
+    """(label, mode, weight dtype, M, launch, Tritons its bucket was timed under) of every distinct
+    Triton launch the choice makes for this shape on this GPU: each of ``cases``, batch invariance
+    off and on (not for ``bf16``, which has no batch-invariant form), at every M of :data:`M_POINTS`."""
+    from csrc_triton.tables import bucket_for, table_buckets
+    from vllm_router_ext.ops.choice import Device, Problem, choose, table_key
 
     device = Device(device_name, sm_count, arch)
     seen: dict = {}
@@ -138,8 +141,11 @@ def launches_to_compile(
                 if launch.kernel != "cublas" and (mode, w_dtype, launch) not in seen:
                     w_name = "" if w_dtype is torch.bfloat16 else ", fp32 weight"
                     label = f"{shape.name} {mode.value}{w_name}{' batch-invariant' if bi else ''} M={m}"
-                    seen[(mode, w_dtype, launch)] = (label, m)
-    return [(label, mode, w, m, launch) for (mode, w, launch), (label, m) in seen.items()]
+                    bucket = bucket_for(table_buckets(device_name, shape.k, shape.n, table_key(mode, bi)), m)
+                    tuned = bucket is not None and launch.source != "heuristic"
+                    timed = tuple(bucket.get("us_by_triton", {})) if tuned else ()
+                    seen[(mode, w_dtype, launch)] = (label, m, timed)
+    return [(label, mode, w, m, launch, timed) for (mode, w, launch), (label, m, timed) in seen.items()]
 
 
 def compile_configs(
@@ -160,7 +166,8 @@ def compile_configs(
     results: list[Compiled] = []
     done: dict = {}  # (kernel, specialisation) -> Compiled: the same launch compiles once
     for shape in shapes:
-        for label, mode, w_dtype, m, launch in launches_to_compile(shape, device_name, sm_count, arch, cases):
+        to_compile = launches_to_compile(shape, device_name, sm_count, arch, cases)
+        for label, mode, w_dtype, m, launch, timed in to_compile:
             x = torch.zeros(m, shape.k, dtype=torch.bfloat16)
             w = torch.zeros(shape.n, shape.k, dtype=w_dtype)
             out_dtype = torch.bfloat16 if mode is RouterPrecision.BF16 else torch.float32
@@ -180,7 +187,7 @@ def compile_configs(
                     if progress:
                         c = done[key]
                         print(f"{c.what}: {c.kernel} {c.registers} registers, {c.spill_bytes} B spilled")
-                results.append(done[key])
+                results.append(replace(done[key], what=f"{label} {describe(launch)}", timed_under=timed))
     return results
 
 
@@ -218,12 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     results = compile_configs(shapes, args.device_name, args.sms, args.arch, progress=True, cases=cases)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
-    spilled = {r for r in results if r.spill_bytes}
     import triton
 
+    spilled = sum(1 for r in results if r.spill_bytes)
     print(
-        f"{len(set(results))} kernels compiled for sm_{args.arch} with Triton {triton.__version__}; "
-        f"{len(spilled)} spill registers"
+        f"{len(results)} kernel launches compiled for sm_{args.arch} with Triton {triton.__version__}; "
+        f"{spilled} spill registers"
     )
     return 0
 
