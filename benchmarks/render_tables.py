@@ -156,7 +156,7 @@ def render_summary(runs: list[tuple[str, list[dict]]]) -> str:
     return "\n".join(out)
 
 
-def render_by_triton(runs: list[dict]) -> str:
+def render_by_triton(runs: list[dict], ms: tuple[int, ...] | None = None) -> str:
     """One row per shape and M: our ``fp32`` µs under each run's Triton (the first run the
     reference: its ratio in brackets), the fastest alternative of each run (the heuristic, cuBLAS)
     beside it; runs of the same benchmark under different Tritons."""
@@ -167,7 +167,7 @@ def render_by_triton(runs: list[dict]) -> str:
     heads += [f"best other, Triton {v}" for v in tritons]
     out = ["| " + " | ".join(heads) + " |", "|---|" + "---:|" * (len(heads) - 1)]
     for point in points:
-        if not all(point in run for run in by_point):
+        if not all(point in run for run in by_point) or (ms and point[1] not in ms):
             continue
         rows = [run[point] for run in by_point]
         ours = [r[FP32] for r in rows]
@@ -190,9 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="several runs of the same benchmark under different Tritons: our fp32 under each",
     )
+    p.add_argument("--m", default=None, help="with --by-triton: only these M (comma-separated)")
     args = p.parse_args(argv)
     if args.by_triton:
-        print(render_by_triton([json.loads(Path(f).read_text(encoding="utf-8")) for f in args.json]))
+        ms = tuple(int(m) for m in args.m.split(",")) if args.m else None
+        print(render_by_triton([json.loads(Path(f).read_text(encoding="utf-8")) for f in args.json], ms))
         return 0
     if args.summary:
         runs = [(Path(f).stem, json.loads(Path(f).read_text(encoding="utf-8"))["speed"]) for f in args.json]
