@@ -531,6 +531,9 @@ TARGETED_GEMV = {  # M -> (block_m, block_n, num_warps, maxnreg, copy_stages)
         (4, 1, 4, 255, 0),
     ],
 }
+# a bucket's middle takes both its ends' candidates: the launch chosen at an end can lose mid-way
+TARGETED_GEMV[6] = list(dict.fromkeys(TARGETED_GEMV[4] + TARGETED_GEMV[8]))
+TARGETED_GEMV[12] = list(dict.fromkeys(TARGETED_GEMV[8] + TARGETED_GEMV[16]))
 TARGETED_FP32_MID = [(64, 64, 1024, 4), (64, 64, 2048, 4), (128, 128, 3584, 8)]
 #: The fp32 mode's warp-specialised wgmma kernel (Hopper): from this M, K split into these many
 #: parts (as long as the 128-row tiles times the splits stay within two per SM), 6 TMA stages
@@ -583,12 +586,12 @@ def bucket_config(buckets: list[dict], m: int) -> KernelLaunch | None:
 
 
 def merge_buckets(old: list[dict], new: dict[int, tuple[float, KernelLaunch]], ms) -> list[dict]:
-    """Collapse per-M points over ``ms`` into buckets: tuned points from ``new``, every other M
-    keeps ``old``'s bucket (its launch parameters and its timing note). ``old``'s own bucket ends
-    count as points too, so a bucket tuned at an M off ``ms`` (e.g. 192 or 384 tokens) survives
+    """Collapse per-M points over ``ms`` and ``new``'s M into buckets: tuned points from ``new``,
+    every other M keeps ``old``'s bucket (its launch parameters and its timing note). ``old``'s own
+    bucket ends count as points too, so a bucket tuned at an M off ``ms`` (e.g. 192 or 384 tokens) survives
     a later merge that retunes other M."""
     points = []
-    for m in sorted(set(ms) | {b["max_m"] for b in old if b["max_m"] is not None}):
+    for m in sorted(set(ms) | set(new) | {b["max_m"] for b in old if b["max_m"] is not None}):
         if m in new:
             t, cfg = new[m]
             points.append({"max_m": m, **to_bucket(cfg), "us": round(t, 3)})
@@ -792,7 +795,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else CONFIG_DIR / f"{device_key(name)}.json"
     table = {"device": name, "tuned": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "shapes": {}}
     if args.merge:
-        table["shapes"] = json.loads(Path(args.merge).read_text(encoding="utf-8"))["shapes"]
+        merged = json.loads(Path(args.merge).read_text(encoding="utf-8"))
+        table["shapes"] = merged["shapes"]
+        if "tritons" in merged:  # its buckets chosen across Tritons still carry their times under each
+            table["tritons"] = merged["tritons"]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1))
     import triton

@@ -242,6 +242,11 @@ def test_tuner_merges_a_partial_retune_into_the_table_buckets():
             assert got == {k: v for k, v in bucket_for(old, m).items() if k not in ("max_m", "us")}, m
     assert merged[-1]["max_m"] is None and len(merged) == 5  # gemv, new splitk, 2 old splitk, cuBLAS
     assert set(tune.TUNE_M_LIST) == set(tune.M_LIST) | {192, 384}
+    # a point retuned off the list (a bucket's middle) makes its own bucket; its neighbours stay
+    mid = tune.merge_buckets(old, {12: (4.0, new_cfg)}, tune.M_LIST)
+    assert {k: v for k, v in bucket_for(mid, 12).items() if k not in ("max_m", "us")} == to_bucket(new_cfg)
+    assert [b["max_m"] for b in mid[:3]] == [8, 12, 16] and bucket_for(mid, 13)["kernel"] == "gemv"
+    assert set(tune.TARGETED_GEMV[12]) == set(tune.TARGETED_GEMV[8]) | set(tune.TARGETED_GEMV[16])
     with pytest.raises(SystemExit, match="--merge"):
         tune.merge_buckets([], {32: (7.0, new_cfg)}, (16, 32))  # nothing to keep for M=16
     assert tune.bi_structures("fp32", (256, 512)) == [(256, 128), (512, 128)]
