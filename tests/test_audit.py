@@ -359,6 +359,125 @@ def test_each_routing_picks_what_the_familys_own_formula_picks():
     check({"model_type": "ernie4_5_moe", "moe_k": 4}, chosen, w / w.sum(-1, keepdim=True), bias)
 
 
+def test_each_new_familys_config_keys_route_as_vllm_reads_them():
+    """The families of vLLM's model packages route by DeepSeek-V3's noaux_tc under their own
+    config keys (vLLM 0.34's ``vllm/models/<name>/``): Kimi-K3's ``moe_renormalize`` and
+    ``num_expert_group`` (groups only with ``use_grouped_topk``), Step-5's ``moe_top_k``,
+    ``norm_expert_weight`` and ``moe_router_scaling_factor``, GLM-5-Next's bias only under
+    ``topk_method == "noaux_tc"``, Hunyuan-V4 on one group whatever ``n_group`` says, MiniMax-M3
+    always renormalised."""
+    from vllm_router_ext.ops.reference import RoutingConfig, select_experts
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    logits = torch.randn(64, 32, generator=g, dtype=torch.float64)
+    bias = torch.randn(32, generator=g, dtype=torch.float64) * 0.3
+    sig = logits.sigmoid()
+
+    def expect(cfg: dict, ids, weights, bias_=bias, **fields):
+        routing = RoutingConfig.from_hf_config(cfg)
+        assert {k: getattr(routing, k) for k in fields} == fields, cfg
+        got_ids, got_w = select_experts(logits, routing, bias_)
+        order = ids.argsort(-1)
+        assert torch.equal(got_ids, ids.gather(1, order)), cfg
+        torch.testing.assert_close(got_w, weights.gather(1, order), rtol=1e-12, atol=1e-12)
+
+    def grouped_choice(scores, n_group, topk_group, k):
+        groups = scores.view(64, n_group, -1)
+        keep = groups.topk(2, -1).values.sum(-1).topk(topk_group, -1).indices
+        mask = torch.zeros(64, n_group, dtype=torch.bool).scatter_(1, keep, True)
+        kept = scores.masked_fill(~mask.repeat_interleave(32 // n_group, 1), float("-inf"))
+        return kept.topk(k, -1).indices
+
+    kimi = {"model_type": "kimi_linear", "num_experts": 32, "num_experts_per_token": 4,
+            "moe_renormalize": False, "num_expert_group": 4, "topk_group": 2,
+            "routed_scaling_factor": 2.0}  # fmt: skip
+    chosen = grouped_choice(sig + bias, 4, 2, 4)
+    expect(kimi, chosen, sig.gather(1, chosen) * 2.0, n_group=4, topk_group=2, renormalize=False)
+    chosen = (sig + bias).topk(4, -1).indices
+    expect({**kimi, "use_grouped_topk": False}, chosen, sig.gather(1, chosen) * 2.0, n_group=1)
+    step5 = {"model_type": "step5", "moe_num_experts": 32, "moe_top_k": 4, "norm_expert_weight": True,
+             "moe_router_scaling_factor": 3.0, "n_group": 4, "use_moe_router_bias": True}  # fmt: skip
+    w = sig.gather(1, chosen)
+    expect(step5, chosen, w / w.sum(-1, keepdim=True) * 3.0, top_k=4, n_group=1, topk_method="noaux_tc")
+    for model_type in ("hy_v4", "minimax_m3_vl_text"):  # one group; MiniMax-M3 renormalises always
+        cfg = {"model_type": model_type, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 1,
+               "norm_topk_prob": model_type == "hy_v4" or False, "routed_scaling_factor": 1.5}  # fmt: skip
+        expect(cfg, chosen, w / w.sum(-1, keepdim=True) * 1.5, n_group=1, renormalize=True)
+    glm = {"model_type": "glm5_next_text", "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+           "scoring_func": "sigmoid", "routed_scaling_factor": 2.5}  # fmt: skip
+    chosen = grouped_choice(sig + bias, 4, 2, 4)
+    w = sig.gather(1, chosen)
+    expect(glm, chosen, w / w.sum(-1, keepdim=True) * 2.5, topk_method="noaux_tc")
+    best = sig.view(64, 4, 8).max(-1).values.topk(2, -1).indices  # no bias: groups by their best score
+    mask = torch.zeros(64, 4, dtype=torch.bool).scatter_(1, best, True).repeat_interleave(8, 1)
+    chosen = sig.masked_fill(~mask, float("-inf")).topk(4, -1).indices
+    w = sig.gather(1, chosen)
+    expect({**glm, "topk_method": "greedy"}, chosen, w / w.sum(-1, keepdim=True) * 2.5, None,
+           topk_method="group_limited_greedy", uses_correction_bias=False)  # fmt: skip
+
+
+#: A router-only checkpoint of each new family, under the names vLLM's loader reads (its
+#: ``load_weights``): the MoE block, the router, where the correction bias sits.
+NEW_FAMILY_CHECKPOINTS = {
+    "kimi-k3": ({"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
+                 "text_config": {"model_type": "kimi_linear", "hidden_size": 256, "num_experts": 32,
+                                 "num_experts_per_token": 4, "num_expert_group": 4, "topk_group": 2}},
+                "language_model.model.layers.{}.block_sparse_moe", "gate", "gate.e_score_correction_bias"),
+    "step5": ({"model_type": "step5", "architectures": ["Step5ForCausalLM"], "hidden_size": 256,
+               "moe_num_experts": 32, "moe_top_k": 4, "use_moe_router_bias": True},
+              "model.layers.{}.moe", "gate", "router_bias"),
+    "hy-v4": ({"model_type": "hy_v4", "architectures": ["HYV4ForCausalLM"], "hidden_size": 256,
+               "n_routed_experts": 32, "num_experts_per_tok": 4},
+              "model.layers.{}.mlp", "router.gate", "gate.e_score_correction_bias"),
+    "minimax-m3": ({"model_type": "minimax_m3_vl",
+                    "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
+                    "text_config": {"model_type": "minimax_m3_vl_text", "hidden_size": 256,
+                                    "num_local_experts": 32, "num_experts_per_tok": 4}},
+                   "model.language_model.layers.{}.block_sparse_moe", "gate", "e_score_correction_bias"),
+    "glm5-next": ({"model_type": "glm5_next", "architectures": ["Glm5NextForCausalLM"], "hidden_size": 256,
+                   "n_routed_experts": 32, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2},
+                  "model.layers.{}.mlp", "gate", "gate.e_score_correction_bias"),
+    "beam": ({"model_type": "beam", "architectures": ["BeamForCausalLM"], "hidden_size": 256,
+              "n_routed_experts": 32, "num_experts_per_tok": 4},
+             "model.layers.{}.mlp", "gate", "gate.e_score_correction_bias"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", NEW_FAMILY_CHECKPOINTS)
+def test_the_audit_routes_each_new_family_from_its_checkpoint(tmp_path, family):
+    """The audit finds each new family's router in every MoE layer and its correction bias where
+    vLLM loads it from, routes by the family's keys, and fp32 matches fp64's choice on every
+    token while bf16 logits do not stay at fp32's error."""
+    from safetensors.torch import save_file
+
+    from vllm_router_ext.families import family_of
+
+    config, block, router, bias_name = NEW_FAMILY_CHECKPOINTS[family]
+    assert family_of(config["architectures"][0]).routing == "sigmoid_bias"
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    tensors = {}
+    for layer in (1, 2):  # layer 0 dense, as the releases' first layers are
+        weight = torch.randn(32, 256, generator=g) / 16
+        tensors[f"{block.format(layer)}.{router}.weight"] = weight.bfloat16()
+        tensors[f"{block.format(layer)}.{bias_name}"] = torch.randn(32, generator=g) * 0.5
+    tensors["model.layers.0.mlp.gate_proj.weight"] = torch.zeros(8, 256, dtype=torch.bfloat16)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = run_audit(tmp_path, tokens=256, progress=False)
+    assert [int(i) for i in result["layers"]] == [1, 2]
+    r = result["routing"]
+    assert (r["top_k"], r["topk_method"], r["scoring_func"]) == (4, "noaux_tc", "sigmoid")
+    assert r["n_group"] == (4 if family in ("kimi-k3", "glm5-next") else 1)
+    o = result["overall"]
+    assert o["fp32"]["rel_err"] <= 1e-6 and o["fp32"]["changed_pct"] == 0.0
+    assert 1e-4 <= o["bf16"]["rel_err"] <= 1e-2
+    del tensors[f"{block.format(2)}.{bias_name}"]  # a missing bias is named, not skipped
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    missing = rf"layer 2: no e_score_correction_bias .*{bias_name.split('.')[-1]}"
+    with pytest.raises(AuditError, match=missing):
+        run_audit(tmp_path, tokens=16, progress=False)
+
+
 def test_the_audit_routes_deepseek_v4_and_reports_its_hash_layers(tmp_path):
     """A DeepSeek-V4 checkpoint in the release's names (``layers.N.ffn.gate.weight``, the correction
     bias as ``...gate.bias``, the hash table as ``...gate.tid2eid``): the hash layers are reported as

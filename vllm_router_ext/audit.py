@@ -31,6 +31,7 @@ from vllm_router_ext.ops import router_gemm
 from vllm_router_ext.ops.reference import (
     DEEPSEEK_MODEL_TYPES,
     ROUTED_MODEL_TYPES,
+    ROUTING_KEYS,
     SQRTSOFTPLUS_BIAS,
     RoutingConfig,
     changed_expert_sets,
@@ -44,10 +45,11 @@ from vllm_router_ext.plotting import PLOT_MISSING, pyplot
 
 #: A MoE layer's router weight, under each family's names (``model.layers.N.mlp.gate``,
 #: ``...block_sparse_moe.gate``, gpt-oss's ``...mlp.router``, Llama-4's ``...feed_forward.router``,
-#: a multimodal checkpoint's ``model.language_model.layers.N...``, DeepSeek-V4's ``layers.N.ffn.gate``).
+#: a multimodal checkpoint's ``model.language_model.layers.N...``, DeepSeek-V4's ``layers.N.ffn.gate``,
+#: Step-5's ``...moe.gate``, Hunyuan-V4's ``...mlp.router.gate``).
 GATE_RE = re.compile(
     r"^(?:model\.|model\.language_model\.|language_model\.model\.)?layers\.(\d+)\."
-    r"(mlp|block_sparse_moe|feed_forward|ffn)\.(gate|router)\.weight$"
+    r"(mlp|block_sparse_moe|feed_forward|ffn|moe)\.(gate|router|router\.gate)\.weight$"
 )
 #: Where a family keeps ``e_score_correction_bias``, relative to the MoE block (ERNIE-4.5's
 #: ``moe_statics`` holds it as [1, experts]).
@@ -159,10 +161,15 @@ def load_gate(ckpt: Checkpoint, layer: int, routing: RoutingConfig) -> Gate:
         raise AuditError(f"layer {layer}: router weight has shape {tuple(w.shape)}, config says [{n}, {k}]")
     correction = None
     # DeepSeek-V4 stores its correction bias as the gate's ``bias`` (its gate has no linear bias)
-    bias_is_correction = ckpt.config.get("model_type") in SQRTSOFTPLUS_BIAS
+    model_type = cfg.get("model_type", ckpt.config.get("model_type"))
+    bias_is_correction = model_type in SQRTSOFTPLUS_BIAS
     if routing.uses_correction_bias:
         block, gate = name.rsplit(".", 1)
+        if block.endswith(".router"):  # Hunyuan-V4's mlp.router.gate: its bias sits beside mlp.gate
+            block = block[: -len(".router")]
         patterns = ("{gate}.bias",) if bias_is_correction else CORRECTION_BIAS_NAMES
+        if model_type in ROUTING_KEYS:
+            patterns = tuple(dict.fromkeys(ROUTING_KEYS[model_type].bias + CORRECTION_BIAS_NAMES))
         names = [f"{block}.{pattern.format(gate=gate)}" for pattern in patterns]
         found = next((x for x in names if x in ckpt.weight_map), None)
         if found is None:

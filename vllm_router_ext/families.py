@@ -20,7 +20,8 @@ ROUTINGS = {
     "DeepSeek-V2's softmax (greedy or group-limited)",
     "softmax_topk": "softmax, top-k, renormalised where the config's norm_topk_prob says",
     "softmax_topk_renorm": "softmax over the top-k logits (always renormalised)",
-    "sigmoid_bias": "sigmoid + correction bias choose on one group, the sigmoid weighs",
+    "sigmoid_bias": "DeepSeek-V3's noaux_tc read from the family's own config keys: sigmoid (or the "
+    "config's score) + correction bias choose, on the config's expert groups; the scores weigh",
     "softmax_bias": "softmax scores + correction bias choose, renormalised",
     "sigmoid_topk": "sigmoid of the top-k logits, not renormalised",
     "sqrtsoftplus_bias": "sqrt(softplus) scores + correction bias, renormalised; hash layers first",
@@ -41,6 +42,23 @@ TESTED = ("CPU build", "GPU", "construction")
 
 
 @dataclass(frozen=True)
+class RoutingKeys:
+    """Where a ``sigmoid_bias`` family's config keeps its routing (DeepSeek-V3's noaux_tc: sigmoid
+    + correction bias choose, grouped or not) and where its checkpoint keeps the bias, as vLLM
+    reads them. A key of None: the fixed value vLLM uses there."""
+
+    renormalize: str | None = "norm_topk_prob"  # None: always renormalised; missing key: True
+    groups: tuple[str, str] | None = ("n_group", "topk_group")  # None: one group; missing: one
+    grouped: str | None = None  # a flag that turns the groups on (missing: on)
+    scale: str = "routed_scaling_factor"  # missing: 1.0
+    score: str | None = "scoring_func"  # None: sigmoid; missing key: sigmoid
+    #: The config key and the value (also its default) under which the correction bias is used.
+    bias_if: tuple[str, object] = ("use_routing_bias", True)
+    #: Where the bias sits, relative to the MoE block (``{gate}``: the router's own name).
+    bias: tuple[str, ...] = ("{gate}.e_score_correction_bias", "e_score_correction_bias")
+
+
+@dataclass(frozen=True)
 class MoeFamily:
     name: str
     #: vLLM's architecture names: checkpoints' and the speculative-decoding drafts' (``drafts``).
@@ -58,6 +76,8 @@ class MoeFamily:
     #: of :data:`ROUTINGS`): what the fp64 references and the audit replay. None: not replayed.
     model_types: tuple[str, ...] = ()
     routing: str | None = None
+    #: The ``sigmoid_bias`` routing's config keys and bias names (:class:`RoutingKeys`).
+    keys: RoutingKeys = RoutingKeys()
 
 
 _REF = "transformers {}: {}"
@@ -122,18 +142,31 @@ FAMILIES: tuple[MoeFamily, ...] = (
               model_types=("deepseek_v4",), routing="sqrtsoftplus_bias"),
     MoeFamily("Kimi-K3 / Kimi-Linear", ("KimiLinearForCausalLM", "KimiK3ForConditionalGeneration",
               "KimiK31ForConditionalGeneration"), FP32, _REF.format("kimi_linear", _IN_FP32),
-              drafts=("KimiK3MTPModel", "K3DSparkModel")),
+              drafts=("KimiK3MTPModel", "K3DSparkModel"), model_types=("kimi_linear", "kimi_k3"),
+              routing="sigmoid_bias",
+              keys=RoutingKeys(renormalize="moe_renormalize", groups=("num_expert_group", "topk_group"),
+                               grouped="use_grouped_topk", score="moe_router_activation_func")),
     MoeFamily("MiniMax-M3", ("MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration"), FP32,
               _REF.format("minimax_m3_vl", _IN_FP32_WEIGHT),
-              drafts=("MiniMaxM3MTP", "DSparkMiniMaxDraftModel")),
+              drafts=("MiniMaxM3MTP", "DSparkMiniMaxDraftModel"),
+              model_types=("minimax_m3_vl", "minimax_m3_vl_text"), routing="sigmoid_bias",
+              keys=RoutingKeys(renormalize=None, groups=None, score=None)),
     MoeFamily("GLM-5-Next", ("Glm5NextForCausalLM", "Glm5NextForConditionalGeneration"), FP32,
-              _REF.format("glm5_next", _IN_FP32), drafts=("Glm5NextMTPModel",), bypassed_by=("mega_moe",)),
+              _REF.format("glm5_next", _IN_FP32), drafts=("Glm5NextMTPModel",), bypassed_by=("mega_moe",),
+              model_types=("glm5_next", "glm5_next_text"), routing="sigmoid_bias",
+              keys=RoutingKeys(bias_if=("topk_method", "noaux_tc"))),
     MoeFamily("Hunyuan-V4", ("HYV4ForCausalLM",), FP32, _REF.format("hy_v4", _IN_FP32),
-              drafts=("HYV4MTPModel",)),
+              drafts=("HYV4MTPModel",), model_types=("hy_v4",), routing="sigmoid_bias",
+              keys=RoutingKeys(groups=None, score=None)),
     MoeFamily("Step-5", ("Step5ForCausalLM", "Step5ForConditionalGeneration"), FP32,
-              _NO_REFERENCE.format("an fp32"), drafts=("Step5MTP",)),
+              _NO_REFERENCE.format("an fp32"), drafts=("Step5MTP",), model_types=("step5", "step5_vl"),
+              routing="sigmoid_bias",
+              keys=RoutingKeys(renormalize="norm_expert_weight", groups=None,
+                               scale="moe_router_scaling_factor", score="moe_router_activation",
+                               bias_if=("use_moe_router_bias", True), bias=("router_bias",))),
     MoeFamily("Beam", ("BeamForCausalLM",), FP32, _NO_REFERENCE.format("an fp32"),
-              drafts=("DFlash2BeamDraftModel",)),
+              drafts=("DFlash2BeamDraftModel",), model_types=("beam",), routing="sigmoid_bias",
+              keys=RoutingKeys(score=None)),
     MoeFamily("Qwen3-MoE", ("Qwen3MoeForCausalLM", "Qwen3VLMoeForConditionalGeneration"), None,
               _REF.format("qwen3_moe", _IN_MODEL_DTYPE), tested=_CPU_GPU_BUILT,
               model_types=("qwen3_moe", "qwen3_vl_moe_text"), routing="softmax_topk"),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_router_ext.families import FAMILIES, ROUTINGS
+from vllm_router_ext.families import FAMILIES, ROUTINGS, RoutingKeys
 
 
 def reference_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -52,7 +52,9 @@ DEEPSEEK_MODEL_TYPES = _model_types("deepseek")
 ROUTED_MODEL_TYPES = _model_types(*ROUTINGS)
 SCORING_FUNCS = ("sigmoid", "softmax", "sqrtsoftplus")
 _EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
-_TOP_K_KEYS = ("num_experts_per_tok", "moe_k")
+_TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "num_experts_per_token", "moe_top_k")
+#: Each ``sigmoid_bias`` model type's config keys (the family table's :class:`RoutingKeys`).
+ROUTING_KEYS = {t: f.keys for f in FAMILIES if f.routing == "sigmoid_bias" for t in f.model_types}
 
 
 def routing_fields(cfg: dict) -> dict:
@@ -117,15 +119,7 @@ class RoutingConfig:
                 ),
             )
         if model_type in SIGMOID_BIAS:
-            return cls(
-                top_k,
-                n_group=int(cfg.get("n_group") or 1),
-                topk_group=int(cfg.get("topk_group") or 1),
-                scoring_func=cfg.get("scoring_func", "sigmoid"),
-                topk_method="noaux_tc" if cfg.get("use_routing_bias", True) else "greedy",
-                renormalize=bool(cfg.get("norm_topk_prob", True)),
-                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-            )
+            return cls._sigmoid_bias(top_k, cfg, ROUTING_KEYS[model_type])
         return cls(
             top_k=top_k,
             n_group=int(cfg.get("n_group") or 1),
@@ -134,6 +128,26 @@ class RoutingConfig:
             topk_method=cfg.get("topk_method", "greedy"),
             renormalize=bool(cfg.get("norm_topk_prob", False)),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        )
+
+    @classmethod
+    def _sigmoid_bias(cls, top_k: int, cfg: dict, keys: RoutingKeys) -> RoutingConfig:
+        """noaux_tc as vLLM builds it from one family's keys (:class:`RoutingKeys`)."""
+        grouped = keys.groups is not None and (keys.grouped is None or bool(cfg.get(keys.grouped, True)))
+        n_group, topk_group = (int(cfg.get(k) or 1) for k in keys.groups) if grouped else (1, 1)
+        bias_key, bias_value = keys.bias_if
+        if cfg.get(bias_key, bias_value) == bias_value:
+            method = "noaux_tc"
+        else:  # vLLM's grouped top-k without a bias ranks groups by their best score
+            method = "group_limited_greedy" if n_group > 1 else "greedy"
+        return cls(
+            top_k,
+            n_group=n_group,
+            topk_group=topk_group,
+            scoring_func=cfg.get(keys.score, "sigmoid") if keys.score else "sigmoid",
+            topk_method=method,
+            renormalize=bool(cfg.get(keys.renormalize, True)) if keys.renormalize else True,
+            routed_scaling_factor=float(cfg.get(keys.scale, 1.0)),
         )
 
 
