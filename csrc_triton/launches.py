@@ -66,13 +66,18 @@ class TiledLaunch:
 #: (64-row tiles: twice the programs, two of them resident on an SM).
 WGMMA_WS_BLOCK_M = 128
 WGMMA_WS_BLOCK_MS = (128, 64)
+#: Its ``pdl`` values: where the K-split kernel lets its split sum launch (programmatic dependent
+#: launch): at its start, or once each partition has issued its last load / chain (the early
+#: trigger slows launches that fill most SMs; the tuner times both).
+WGMMA_WS_PDL_EARLY = 1
+WGMMA_WS_PDL_LATE = 2
 
 
 @dataclass(frozen=True)
 class WgmmaWsLaunch:
     """The warp-specialised wgmma kernel (``router_gemm_wgmma_ws``, Hopper, fp32 mode): tiles of
     ``block_m`` (128 or 64) rows and ``block_n`` + ``block_n_tail`` columns, K split in
-    ``k_per_split`` (0: none), the split sum plain or with PDL (``PDL_EARLY`` / ``PDL_LATE``)."""
+    ``k_per_split`` (0: none), the split sum plain or with PDL (``WGMMA_WS_PDL_EARLY`` / ``_LATE``)."""
 
     kernel: ClassVar[str] = "wgmma_ws"
     block_n: int

@@ -27,7 +27,7 @@ class CompileKeys:
         ("csrc_triton.router_gemm_splitk", "_splitk_partials_kernel"),
         ("csrc_triton.router_gemm_splitk", "_splitk_reduce_kernel"),
         ("csrc_triton.router_gemm_tiled", "_tiled_kernel"),
-        ("csrc_triton.router_gemm_wgmma_ws", "_wgmma_ws_kernel"),
+        ("csrc_triton.router_gemm_wgmma_ws_gluon", "_wgmma_ws_kernel"),
     )
 
     def __init__(self, monkeypatch):
