@@ -1,8 +1,34 @@
-"""What this Triton can run. Imports no kernel module, so the choice and the kernels can both ask."""
+"""What this Triton and GPU can run. Imports no kernel module, so the choice and the kernels can
+both ask; each launch type declares its kernel's :class:`GpuNeeds` beside it (``launches.py``)."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GpuNeeds:
+    """What a kernel needs of the GPU and of Triton, declared once beside its launch type: the
+    compute capability (x10) it compiles for, from ``min_capability`` up to (not including)
+    ``below_capability``, and Gluon's warp specialisation. The choice, the start-up line and the
+    GPU tests read it."""
+
+    min_capability: int = 0
+    below_capability: int | None = None
+    gluon: bool = False
+    #: What the range stands for, for the messages (e.g. "Hopper, sm_90").
+    gpus: str = "any CUDA GPU"
+
+    def unmet(self, capability: int, has_gluon: bool | None = None) -> str | None:
+        """Why a GPU of ``capability`` (x10) with this Triton cannot run the kernel; None: it can.
+        ``has_gluon`` None: ask this Triton."""
+        below = self.below_capability
+        if capability < self.min_capability or (below is not None and capability >= below):
+            return f"compute capability {capability / 10:.1f} (needs {self.gpus})"
+        if self.gluon and not (gluon_available() if has_gluon is None else has_gluon):
+            return "this Triton has no Gluon warp specialisation"
+        return None
 
 
 @functools.cache

@@ -10,6 +10,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from csrc_triton.capability import GpuNeeds
+
+#: The Triton kernels' needs: any GPU Triton compiles for (the launcher checks its own limits).
+ANY_GPU = GpuNeeds()
+
 
 @dataclass(frozen=True)
 class GemvLaunch:
@@ -17,6 +22,7 @@ class GemvLaunch:
     ``maxnreg`` (0: ptxas decides) and ``copy_stages`` (0: unrolled chunks) as in the launcher."""
 
     kernel: ClassVar[str] = "gemv"
+    needs: ClassVar[GpuNeeds] = ANY_GPU
     block_m: int
     block_n: int
     num_warps: int = 4
@@ -33,6 +39,7 @@ class SplitKLaunch:
     launch), or ``splits_in_program`` (one program per tile runs every split)."""
 
     kernel: ClassVar[str] = "splitk"
+    needs: ClassVar[GpuNeeds] = ANY_GPU
     block_m: int
     block_n: int
     block_k: int
@@ -52,6 +59,7 @@ class TiledLaunch:
     """The tiled kernel (``router_gemm_tiled``): one program per output tile, grouped rows."""
 
     kernel: ClassVar[str] = "tiled"
+    needs: ClassVar[GpuNeeds] = ANY_GPU
     block_m: int
     block_n: int
     block_k: int
@@ -80,6 +88,7 @@ class WgmmaWsLaunch:
     ``k_per_split`` (0: none), the split sum plain or with PDL (``WGMMA_WS_PDL_EARLY`` / ``_LATE``)."""
 
     kernel: ClassVar[str] = "wgmma_ws"
+    needs: ClassVar[GpuNeeds] = GpuNeeds(90, 100, gluon=True, gpus="Hopper, sm_90")
     block_n: int
     block_k: int
     k_per_split: int
@@ -96,6 +105,7 @@ class CublasLaunch:
     """``torch.mm`` (cuBLAS): the 16-bit modes where the table measured it faster."""
 
     kernel: ClassVar[str] = "cublas"
+    needs: ClassVar[GpuNeeds] = ANY_GPU
     source: str = "heuristic"
 
 
@@ -105,6 +115,7 @@ class Fp32WeightTermsLaunch:
     the fp32 mode's launch for that problem), then hi + mid + lo added per logit."""
 
     kernel: ClassVar[str] = "fp32_weight_terms"
+    needs: ClassVar[GpuNeeds] = ANY_GPU
     terms: Launch
     source: str = "heuristic"
 

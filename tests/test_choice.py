@@ -10,8 +10,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from csrc_triton import tables
-from csrc_triton.launches import SplitKLaunch, describe, fields, from_bucket, to_bucket
+from csrc_triton import launches, tables
+from csrc_triton.capability import GpuNeeds
+from csrc_triton.launches import SplitKLaunch, WgmmaWsLaunch, describe, fields, from_bucket, to_bucket
 from vllm_router_ext.ops import choice, startup
 from vllm_router_ext.ops.choice import Device, Problem
 from vllm_router_ext.precision import RouterPrecision
@@ -447,7 +448,12 @@ def test_choose_resolves_what_this_gpu_and_these_operands_allow():
     assert fallback.kernel != "wgmma_ws" and fallback == choice.wgmma_ws_fallback(fp32_weight)
     assert "dtypes" in choice.wgmma_ws_problem(fp32_weight)
     assert "16-byte" in choice.wgmma_ws_problem(replace(p, layout_problem="x layout (16-byte)"))
-    assert "needs 9.x" in choice.wgmma_ws_problem(replace(p, device=Device("A100", 108, 80)))
+    kinds = [v for v in vars(launches).values() if isinstance(v, type) and hasattr(v, "kernel")]
+    assert kinds and all(isinstance(k.needs, GpuNeeds) for k in kinds)  # each declares what it needs
+    assert WgmmaWsLaunch.needs.unmet(100, True) == "compute capability 10.0 (needs Hopper, sm_90)"
+    assert WgmmaWsLaunch.needs.unmet(90, False) == "this Triton has no Gluon warp specialisation"
+    assert "8.0 (needs Hopper, sm_90)" in choice.wgmma_ws_problem(replace(p, device=Device("A100", 108, 80)))
+    assert choice.wgmma_ws_problem(replace(p, device=Device("H100", 132, 90, gluon=True))) is None
     assert "bfloat16 logits" in choice.wgmma_ws_problem(replace(p, precision=RouterPrecision.BF16))
     small = choice.choose(replace(fp32_weight, m=300, device=Device("GPU", 132, 80)))
     assert isinstance(small, SplitKLaunch) and small.block_k == 32 and small.num_stages == 2

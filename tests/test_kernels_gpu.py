@@ -171,6 +171,12 @@ def _hopper() -> bool:
     return torch.cuda.get_device_capability()[0] == 9
 
 
+def _wgmma_ws_unmet() -> str | None:
+    """Why this GPU cannot run the wgmma_ws kernel (what its launch type declares); None: it can."""
+    major, minor = torch.cuda.get_device_capability()
+    return WgmmaWsLaunch.needs.unmet(10 * major + minor)
+
+
 WGMMA_WS_SPLITS = [0, 1792, 1024]  # none; whole chains per split; a split that ends mid-chain (K=5120)
 
 
@@ -181,8 +187,8 @@ def test_wgmma_ws_kernel_poisoned_and_accurate(shape, k_per_split, block_n):
     """The warp-specialised wgmma kernel (Hopper), unsplit and split, both tile widths, on every
     shape, M around its 128-row tiles, strided activations: all of ``out`` written, fp32-mode
     accuracy (<= 1e-6: an unpromoted whole-K chain measures ~8e-6 at K=7168)."""
-    if not _hopper():
-        pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
+    if (unmet := _wgmma_ws_unmet()) is not None:
+        pytest.skip(f"wgmma_ws cannot run here: {unmet}")
     cfg = choice.wgmma_ws(block_n, k_per_split)
     for m in (1, 3, 127, 128, 129, 1000, 4097):
         x, w = _xw(m, shape, row_stride=shape.k + 64)
@@ -292,8 +298,8 @@ def test_split_sum_launch_forms_bitwise_equal_eager_and_graphs(shape, launch):
     CUDA-graph replay. A dependent launch that read the partials before its ``griddepcontrol.wait``
     (or a first kernel that let it go before its stores were ordered) would differ or leave NaN."""
     kernel = launch.kernel
-    if kernel == "wgmma_ws" and not _hopper():
-        pytest.skip("wgmma_ws is a Hopper (sm_90) kernel")
+    if kernel == "wgmma_ws" and (unmet := _wgmma_ws_unmet()) is not None:
+        pytest.skip(f"wgmma_ws cannot run here: {unmet}")
     if getattr(launch, "block_n_tail", 0) and shape.n % 192:
         pytest.skip("192-wide tiles are for N divisible by 192")
     import os

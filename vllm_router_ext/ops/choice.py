@@ -239,10 +239,8 @@ def wgmma_ws_problem(p: Problem) -> str | None:
     operands of one dtype that TMA can read, fp32 logits, and a GPU (Gluon has no interpreter)."""
     if p.interpreting:
         return "TRITON_INTERPRET=1 (Gluon kernels have no interpreter)"
-    if not p.hopper:
-        return f"compute capability {p.device.capability / 10:.1f} (needs 9.x)"
-    if not p.device.has_gluon:
-        return "this Triton has no Gluon warp specialisation"
+    if (unmet := WgmmaWsLaunch.needs.unmet(p.device.capability, p.device.has_gluon)) is not None:
+        return unmet
     if p.x_dtype != p.weight_dtype or p.x_dtype not in (torch.bfloat16, torch.float16):
         return f"dtypes {p.x_dtype} x {p.weight_dtype} (needs bf16 x bf16 or fp16 x fp16)"
     if p.layout_problem is not None:
@@ -465,7 +463,8 @@ def _with(obj, **changes):
 def _heuristic_kernel(p: Problem, allow_wgmma_ws: bool) -> KernelLaunch:
     m, k, n, fp32, bi, cap = p.m, p.k, p.n, p.fp32, p.batch_invariant, p.device.capability
     sms = p.device.sm_count
-    if fp32 and not bi and p.hopper and m >= WGMMA_WS_FROM_M and allow_wgmma_ws and p.device.has_gluon:
+    runs_wgmma_ws = WgmmaWsLaunch.needs.unmet(cap, p.device.has_gluon) is None
+    if fp32 and not bi and m >= WGMMA_WS_FROM_M and allow_wgmma_ws and runs_wgmma_ws:
         block_n = 128 if n > 64 else 64
         tail = wgmma_ws_tail(n, block_n)
         if tail == 0 and n > 256 and n % 192 == 0 and m >= WGMMA_WS_192_FROM_M:
