@@ -300,6 +300,12 @@ def test_startup_description_of_the_cuda_dispatch(monkeypatch):
     assert "splits summed in one program from M=2049 " in text and "heuristic" in text
     text = startup.describe_cuda_dispatch(RouterPrecision.BF16_FP32OUT, False, torch.bfloat16, 1000, 10)
     assert "heuristic configs" in text
+    assert "no gluon" not in startup.describe_cuda_dispatch(RouterPrecision.FP32, False, BF16, 7168, 256)
+    gpu(monkeypatch, "NVIDIA A100", 108, 80)  # what the wgmma_ws launch type declares it needs
+    text = startup.describe_cuda_dispatch(RouterPrecision.FP32, False, torch.bfloat16, 7168, 256)
+    assert text.endswith(
+        "; no gluon warp-specialised wgmma here: compute capability 8.0 (needs Hopper, sm_90)"
+    ), text
 
 
 def test_batch_invariant_buckets_start_where_the_table_or_heuristic_changes(table_env, tmp_path):

@@ -10,7 +10,7 @@ import torch
 import vllm_router_ext.ops.choice as choice
 from csrc_triton import tables
 from csrc_triton.dot import DotMode
-from csrc_triton.launches import SplitKLaunch
+from csrc_triton.launches import SplitKLaunch, WgmmaWsLaunch
 from vllm_router_ext.precision import RouterPrecision
 
 _DOT = {
@@ -86,4 +86,8 @@ def describe_cuda_dispatch(
             f"; from M={choice.FP32_WEIGHT_TERMS_FROM_M}: one GEMM on the weight's three bf16 terms "
             "(split once at load), hi + mid + lo added per logit"
         )
-    return f"by M at run time: {', '.join(parts)} ({dot}{promo}; {tuned}){terms}"
+    absent = ""
+    if precision is RouterPrecision.FP32:  # the prefill kernel this mode runs where the GPU allows
+        unmet = WgmmaWsLaunch.needs.unmet(problem.device.capability, problem.device.has_gluon)
+        absent = f"; no {_KERNEL['wgmma_ws']} here: {unmet}" if unmet else ""
+    return f"by M at run time: {', '.join(parts)} ({dot}{promo}; {tuned}){terms}{absent}"
