@@ -463,8 +463,13 @@ def _with(obj, **changes):
 def _heuristic_kernel(p: Problem, allow_wgmma_ws: bool) -> KernelLaunch:
     m, k, n, fp32, bi, cap = p.m, p.k, p.n, p.fp32, p.batch_invariant, p.device.capability
     sms = p.device.sm_count
-    runs_wgmma_ws = WgmmaWsLaunch.needs.unmet(cap, p.device.has_gluon) is None
-    if fp32 and not bi and m >= WGMMA_WS_FROM_M and allow_wgmma_ws and runs_wgmma_ws:
+    if (
+        fp32
+        and not bi
+        and m >= WGMMA_WS_FROM_M
+        and allow_wgmma_ws
+        and WgmmaWsLaunch.needs.unmet(cap, p.device.has_gluon) is None  # asked last: on every call
+    ):
         block_n = 128 if n > 64 else 64
         tail = wgmma_ws_tail(n, block_n)
         if tail == 0 and n > 256 and n % 192 == 0 and m >= WGMMA_WS_192_FROM_M:
