@@ -11,7 +11,7 @@ then, per round and concurrency, the servers are measured one at a time, the mod
 in a rotated order, with vLLM's own serving benchmark (``vllm bench serve``: random prompts, EOS
 ignored). Decode: ``c`` concurrent clients, 4c requests (at least 6) of 16 prompt tokens and
 ``--max-tokens`` new ones: output tokens/s, median time per output token (TPOT), and the GPU time
-of one decode step (``testing.step_timer``: the median replay of the most replayed CUDA graph,
+of one decode step (``workers.step_timer``: the median replay of the most replayed CUDA graph,
 vLLM's FULL graph for the batch). TTFT: 256-token prompts one at a time, the median. Ratios are
 to ``bf16`` (stock vLLM) of the same round, then the median over rounds: host noise that drifts
 between rounds cancels. Writes ``e2e.json`` and ``e2e.png``, prints the table and the verdict on
@@ -30,11 +30,11 @@ import sys
 from pathlib import Path
 
 from vllm_router_ext.plotting import pyplot
-from vllm_router_ext.testing.server import Server, precision_lines, start_server
-from vllm_router_ext.testing.tiny_checkpoint import GPU_MLA_SIZES, build_tiny_model
+from vllm_router_ext.tools.server import Server, precision_lines, start_server
+from vllm_router_ext.tools.tiny_checkpoint import GPU_MLA_SIZES, build_tiny_model
 
 MODES = ("bf16", "bf16-fp32out", "fp32")  # bf16: stock vLLM's logits
-TIMER = "vllm_router_ext.testing.step_timer.StepTimer"
+TIMER = "vllm_router_ext.workers.step_timer.StepTimer"
 SLICE = {
     **GPU_MLA_SIZES,
     "hidden_size": 7168,

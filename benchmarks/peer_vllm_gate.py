@@ -7,8 +7,8 @@ SM90+ for a bf16 weight and fp32 logits there (its cuteDSL ``ll_bf16_gemm``, vLL
 from vllm.model_executor.kernels.linear.cute_dsl.ll_bf16 import ll_bf16_gemm
 from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 
-from vllm_router_ext.benchmarking import FAMILY_SHAPES
-from vllm_router_ext.benchmarking import SHAPES as RELEASE_SHAPES
+from vllm_router_ext.bench_harness import FAMILY_SHAPES
+from vllm_router_ext.bench_harness import SHAPES as RELEASE_SHAPES
 
 SHAPES = tuple(dict.fromkeys((s.k, s.n) for s in (*RELEASE_SHAPES, *FAMILY_SHAPES)))
 MS = tuple(range(1, GateLinear.LL_BF16_MAX_TOKENS + 1))

@@ -24,6 +24,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from csrc_triton.choice import (  # noqa: E402
+    FP32_MAX_BLOCK_K,
+    fp32_promote_chunks,
+    one_chain_split,
+    split_sum_variants,
+    splitk,
+    wgmma_ws,
+    wgmma_ws_k_per_split,
+    wgmma_ws_tiles,
+)
+from csrc_triton.dispatch import launch_into  # noqa: E402
 from csrc_triton.launches import (  # noqa: E402
     CublasLaunch,
     GemvLaunch,
@@ -35,7 +46,7 @@ from csrc_triton.launches import (  # noqa: E402
     to_bucket,
 )
 from csrc_triton.tables import CONFIG_DIR, bucket_for, clear_table_cache, device_key, table_override  # noqa: E402
-from vllm_router_ext.benchmarking import (  # noqa: E402
+from vllm_router_ext.bench_harness import (  # noqa: E402
     M_LIST,
     SHAPE_BY_NAME,
     SHAPES,
@@ -44,17 +55,6 @@ from vllm_router_ext.benchmarking import (  # noqa: E402
     time_rotated,
     time_rotated_into,
 )
-from vllm_router_ext.ops.choice import (  # noqa: E402
-    FP32_MAX_BLOCK_K,
-    fp32_promote_chunks,
-    one_chain_split,
-    split_sum_variants,
-    splitk,
-    wgmma_ws,
-    wgmma_ws_k_per_split,
-    wgmma_ws_tiles,
-)
-from vllm_router_ext.ops.dispatch import launch_into  # noqa: E402
 
 #: The M a full tune times: the benchmark's list and, between its 128, 256 and 512 tokens, 192 and
 #: 384 (other configs won inside those buckets, e.g. Kimi-K2 bf16-fp32out at 192

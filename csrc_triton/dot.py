@@ -94,7 +94,7 @@ def promoted_group(
     starting at ``k0`` (promotion: tensor-core accumulation chains stay that short). With two or
     more chunks the compiler cannot fold ``part`` into ``acc``; with one it does (Triton rewrites
     ``acc + dot(a, b, 0)`` as ``dot(a, b, acc)``), so the fp32 mode never promotes every chunk
-    (``vllm_router_ext.ops.choice.FP32_PROMOTE_CHUNKS``). x_rows: [BM, 1] row pointers, w_cols: [1, BN]."""
+    (``choice.FP32_PROMOTE_CHUNKS``). x_rows: [BM, 1] row pointers, w_cols: [1, BN]."""
     part = tl.zeros(acc.shape, dtype=tl.float32)
     for j in tl.static_range(PROMOTE_CHUNKS):
         a, b = load_chunk(x_rows, w_cols, mask_m, mask_n, k0 + j * BLOCK_K, K, BLOCK_K)

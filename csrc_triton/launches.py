@@ -1,7 +1,9 @@
 """What one launch of a router GEMM kernel takes: one frozen type per kernel, with its own fields.
 
-The decision (``vllm_router_ext.ops.choice``) returns one of these; the kernel's launcher reads it.
-Tuned tables store them as JSON buckets (:func:`from_bucket`, :func:`to_bucket`).
+The decision (``choice.py``) returns one of these; each type declares its kernel once: ``kernel``
+(its name in tables), ``title`` (in logs), ``launcher`` (``module:function``, what ``dispatch.py``
+calls with ``(x, weight, out, launch)``) and ``needs`` (the GPU it runs on). Tuned tables store
+launches as JSON buckets (:func:`from_bucket`, :func:`to_bucket`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class GemvLaunch:
     ``maxnreg`` (0: ptxas decides) and ``copy_stages`` (0: unrolled chunks) as in the launcher."""
 
     kernel: ClassVar[str] = "gemv"
+    title: ClassVar[str] = "triton GEMV (fp32 FMA)"
+    launcher: ClassVar[str] = "csrc_triton.router_gemm_gemv:gemv_launch"
     needs: ClassVar[GpuNeeds] = ANY_GPU
     block_m: int
     block_n: int
@@ -39,6 +43,8 @@ class SplitKLaunch:
     launch), or ``splits_in_program`` (one program per tile runs every split)."""
 
     kernel: ClassVar[str] = "splitk"
+    title: ClassVar[str] = "triton split-K"
+    launcher: ClassVar[str] = "csrc_triton.router_gemm_splitk:splitk_launch"
     needs: ClassVar[GpuNeeds] = ANY_GPU
     block_m: int
     block_n: int
@@ -59,6 +65,8 @@ class TiledLaunch:
     """The tiled kernel (``router_gemm_tiled``): one program per output tile, grouped rows."""
 
     kernel: ClassVar[str] = "tiled"
+    title: ClassVar[str] = "triton tiled"
+    launcher: ClassVar[str] = "csrc_triton.router_gemm_tiled:tiled_launch"
     needs: ClassVar[GpuNeeds] = ANY_GPU
     block_m: int
     block_n: int
@@ -88,6 +96,8 @@ class WgmmaWsLaunch:
     ``k_per_split`` (0: none), the split sum plain or with PDL (``WGMMA_WS_PDL_EARLY`` / ``_LATE``)."""
 
     kernel: ClassVar[str] = "wgmma_ws"
+    title: ClassVar[str] = "gluon warp-specialised wgmma"
+    launcher: ClassVar[str] = "csrc_triton.router_gemm_wgmma_ws:wgmma_ws_launch"
     needs: ClassVar[GpuNeeds] = GpuNeeds(90, 100, gluon=True, gpus="Hopper, sm_90")
     block_n: int
     block_k: int
@@ -105,6 +115,7 @@ class CublasLaunch:
     """``torch.mm`` (cuBLAS): the 16-bit modes where the table measured it faster."""
 
     kernel: ClassVar[str] = "cublas"
+    title: ClassVar[str] = "cuBLAS"
     needs: ClassVar[GpuNeeds] = ANY_GPU
     source: str = "heuristic"
 
@@ -115,6 +126,7 @@ class Fp32WeightTermsLaunch:
     the fp32 mode's launch for that problem), then hi + mid + lo added per logit."""
 
     kernel: ClassVar[str] = "fp32_weight_terms"
+    title: ClassVar[str] = "fp32 weight as three bf16 terms"
     needs: ClassVar[GpuNeeds] = ANY_GPU
     terms: Launch
     source: str = "heuristic"

@@ -40,7 +40,7 @@ _forced: bool | None = None  # set by :func:`forced` only
 @contextmanager
 def forced(on: bool) -> Iterator[None]:
     """Launch with (or without) PDL whatever the device: for compiling the PDL forms on CPU
-    tensors (``vllm_router_ext.testing.aot``)."""
+    tensors (``vllm_router_ext.tools.compile_check``)."""
     global _forced
     before, _forced = _forced, on
     try:

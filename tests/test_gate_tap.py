@@ -7,7 +7,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
-from vllm_router_ext.testing import gate_tap  # noqa: E402, F401 -- registers the op
+from vllm_router_ext.workers import gate_tap  # noqa: E402, F401 -- registers the op
 
 
 def _buffers(rows: int, calls: int, k: int = 8, n: int = 4):
@@ -21,7 +21,7 @@ def test_tap_appends_rows_while_on_and_drops_past_capacity(compiled):
     xs, lbuf, state, sizes = _buffers(rows=10, calls=3)
 
     def call(x, logits):
-        torch.ops.router_ext_testing.tap(x, logits, xs, lbuf, state, sizes)
+        torch.ops.router_ext_gate_tap.tap(x, logits, xs, lbuf, state, sizes)
 
     fn = torch.compile(call, backend="eager", fullgraph=True) if compiled else call
     batches = [(torch.randn(m, 8).to(torch.bfloat16), torch.randn(m, 4)) for m in (3, 5, 4, 2)]

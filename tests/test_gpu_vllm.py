@@ -1,7 +1,7 @@
 """End to end through real CUDA vLLM on a GPU: ``vllm serve`` of tiny checkpoints with DeepSeek's
 real MLA head sizes and each release's routing, with vLLM's defaults (torch.compile and CUDA
 graphs) unless a case says otherwise. The servers a run needs start together on the one GPU, each
-with a small fixed KV cache. Inside each served model a graph-safe tap (``testing.gate_tap``)
+with a small fixed KV cache. Inside each served model a graph-safe tap (``workers.gate_tap``)
 records what the gates saw and returned for real prefill and decode batches.
 
     pytest tests/test_gpu_vllm.py            # on a machine with CUDA vLLM installed (pip install vllm)
@@ -43,15 +43,15 @@ def _cuda_vllm() -> str | None:
 _WHY = _cuda_vllm()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
 
-from vllm_router_ext.ops.reference import (  # noqa: E402
+from vllm_router_ext.ops.routing_fp64 import (  # noqa: E402
     RoutingConfig,
     near_tie_mask,
     reference_logits,
     relative_error,
     select_experts,
 )
-from vllm_router_ext.testing.server import Server, precision_lines, start_server  # noqa: E402
-from vllm_router_ext.testing.tiny_checkpoint import (  # noqa: E402
+from vllm_router_ext.tools.server import Server, precision_lines, start_server  # noqa: E402
+from vllm_router_ext.tools.tiny_checkpoint import (  # noqa: E402
     FAMILY_PRESETS,
     GPU_MLA_SIZES,
     build_tiny_deepseek_v4,
@@ -59,7 +59,7 @@ from vllm_router_ext.testing.tiny_checkpoint import (  # noqa: E402
     build_tiny_model,
 )
 
-TAP = "vllm_router_ext.testing.gate_tap.GateTap"
+TAP = "vllm_router_ext.workers.gate_tap.GateTap"
 # fp32 logits of exact bf16 products summed in fp32 (~1e-7 relative); bf16: one bf16 rounding.
 LOGIT_TOL = {"fp32": 1e-5, "bf16-fp32out": 1e-5, "bf16": 1e-2}
 BI_KERNEL = "batch-invariant triton split-K"  # the batch-invariant kernel, one K split

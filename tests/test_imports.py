@@ -57,7 +57,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_circle_in_the_package():
     mods = _modules()
-    assert "vllm_router_ext.ops.choice" in mods and "csrc_triton.launches" in mods
+    assert "csrc_triton.choice" in mods and "csrc_triton.launches" in mods
     cycle = _cycle(_imports(mods))
     assert cycle is None, " -> ".join(cycle)
 
@@ -65,3 +65,18 @@ def test_no_import_circle_in_the_package():
 def test_the_cycle_finder_finds_a_circle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_kernel_library_stands_alone():
+    """``csrc_triton`` (problem, choice, tables, kernels, dispatch) imports nothing of the plugin:
+    it runs without vLLM, and adding a kernel or a GPU touches nothing in ``vllm_router_ext``."""
+    graph = _imports(_modules())
+    upward = {
+        (name, target)
+        for name, targets in graph.items()
+        if name.startswith("csrc_triton")
+        for target in targets
+        if target.startswith("vllm_router_ext")
+    }
+    assert not upward, sorted(upward)
+    assert {"csrc_triton.problem", "csrc_triton.choice", "csrc_triton.dispatch"} <= graph.keys()

@@ -8,13 +8,13 @@ from dataclasses import replace
 import pytest
 import torch
 
+from csrc_triton import choice
+from csrc_triton.dispatch import launch_into, router_gemm_cuda
 from csrc_triton.dot import DotMode
 from csrc_triton.launches import GemvLaunch, SplitKLaunch, TiledLaunch, describe
-from vllm_router_ext.ops import choice
-from vllm_router_ext.ops.dispatch import launch_into, router_gemm_cuda
-from vllm_router_ext.ops.reference import reference_logits, relative_error
+from csrc_triton.problem import Precision, Problem
 from vllm_router_ext.ops.router_gemm import check_weight_terms, fp32_weight_terms
-from vllm_router_ext.precision import RouterPrecision
+from vllm_router_ext.ops.routing_fp64 import reference_logits, relative_error
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -153,7 +153,7 @@ def test_dot_mode_follows_the_operands():
 def test_dispatch_end_to_end(gen, mode, m):
     """The op's CUDA dispatch (heuristic configs here) on every mode, M below/above buckets."""
     x, w = _inputs(gen, m, 512, 48)
-    out = router_gemm_cuda(x, w, RouterPrecision(mode), batch_invariant=False)
+    out = router_gemm_cuda(x, w, Precision(mode), batch_invariant=False)
     assert out.dtype == (torch.bfloat16 if mode == "bf16" else torch.float32)
     assert relative_error(out, reference_logits(x, w)) <= (8e-3 if mode == "bf16" else 1e-5)
 
@@ -176,7 +176,7 @@ def test_fp32_weight_large_m_runs_on_its_terms(gen, monkeypatch, m, n):
     """From FP32_WEIGHT_TERMS_FROM_M tokens, whatever the experts (not batch-invariant), the
     dispatch runs an fp32 weight as one promoted GEMM on its bf16 terms; below, on the weight
     itself. Both fp32-accurate. (Threshold scaled down here.)"""
-    import vllm_router_ext.ops.dispatch as d
+    import csrc_triton.dispatch as d
 
     assert choice.FP32_WEIGHT_TERMS_FROM_M == 1024  # H200-measured
     monkeypatch.setattr(choice, "FP32_WEIGHT_TERMS_FROM_M", 65)
@@ -186,18 +186,18 @@ def test_fp32_weight_large_m_runs_on_its_terms(gen, monkeypatch, m, n):
     x, _ = _inputs(gen, m, 512, n)
     w = (torch.randn(n, 512, generator=gen) / 22.6).to(DEV)  # genuinely fp32
     terms = fp32_weight_terms(w)
-    out = router_gemm_cuda(x, w, RouterPrecision.FP32, False, terms)
+    out = router_gemm_cuda(x, w, Precision.FP32, False, terms)
     assert bool(calls) == (m >= 65)
     assert relative_error(out, reference_logits(x, w)) <= 1e-6
     calls.clear()
-    router_gemm_cuda(x, w, RouterPrecision.FP32, True, terms)  # batch-invariant: one path for all M
+    router_gemm_cuda(x, w, Precision.FP32, True, terms)  # batch-invariant: one path for all M
     assert not calls
 
 
 def test_fp32_weight_terms_launch_is_resolved_against_the_terms(gen):
     """The terms' launch is resolved for the terms tensor itself: a ``wgmma_ws`` choice that the
     terms cannot take (here: the interpreter) runs the Triton fallback, same accuracy."""
-    import vllm_router_ext.ops.dispatch as d
+    import csrc_triton.dispatch as d
     from csrc_triton.launches import Fp32WeightTermsLaunch
 
     x, _ = _inputs(gen, 40, 512, 48)
@@ -211,12 +211,12 @@ def test_fp32_weight_terms_launch_is_resolved_against_the_terms(gen):
 def test_batch_invariant_needle_through_dispatch(dot_order, gen, mode):
     k, n = 512, 48
     needle, w = _inputs(gen, 1, k, n)
-    alone = router_gemm_cuda(needle, w, RouterPrecision(mode), batch_invariant=True)
+    alone = router_gemm_cuda(needle, w, Precision(mode), batch_invariant=True)
     for m in (1, 2, 3, 17, 65, 300):  # 300: the heuristic sums the splits in one program there
         for pos in sorted({0, 1, m // 2, m - 1} & set(range(m))):
             x, _ = _inputs(gen, m, k, n)
             x[pos] = needle[0]
-            out = router_gemm_cuda(x, w, RouterPrecision(mode), batch_invariant=True)
+            out = router_gemm_cuda(x, w, Precision(mode), batch_invariant=True)
             assert torch.equal(out[pos : pos + 1], alone), (m, pos)
 
 
@@ -225,7 +225,7 @@ def _small_gpu(monkeypatch):
     raises Triton's OutOfResources before it launches, as a real one would at load time."""
     from triton.runtime.errors import OutOfResources
 
-    import vllm_router_ext.ops.dispatch as d
+    import csrc_triton.dispatch as d
 
     real = d.launch_exactly
     tried: list = []
@@ -247,8 +247,8 @@ def test_a_launch_this_gpu_cannot_hold_is_shrunk_not_fatal(
 ):
     """A table (or the heuristic) made on a GPU with more shared memory than this one: the op runs
     the same sums in a smaller footprint, warns once, and remembers the shrink."""
+    import csrc_triton.dispatch as d
     import csrc_triton.tables as t
-    import vllm_router_ext.ops.dispatch as d
 
     k, n = 512, 48
     big = dict(kernel="splitk", block_m=64, block_n=32, block_k=32, k_per_split=128, promote_chunks=2)
@@ -261,7 +261,7 @@ def test_a_launch_this_gpu_cannot_hold_is_shrunk_not_fatal(
     expected = launch_into(original, x, w, _poisoned(40, n, torch.float32))
     tried = _small_gpu(monkeypatch)
     with caplog.at_level("WARNING", logger=d.logger.name):
-        out = router_gemm_cuda(x, w, RouterPrecision.FP32, batch_invariant=batch_invariant)
+        out = router_gemm_cuda(x, w, Precision.FP32, batch_invariant=batch_invariant)
     assert torch.equal(out, expected)  # same BLOCK_K, K split, promotion: the same sums
     assert relative_error(out, reference_logits(x, w)) <= 1e-6
     # stages 3 -> 2 -> 1, then BLOCK_M 64 -> 32: four tries, three warnings naming both launches
@@ -272,16 +272,16 @@ def test_a_launch_this_gpu_cannot_hold_is_shrunk_not_fatal(
     caplog.clear()
     tried.clear()
     with caplog.at_level("WARNING", logger=d.logger.name):
-        again = router_gemm_cuda(x, w, RouterPrecision.FP32, batch_invariant=batch_invariant)
+        again = router_gemm_cuda(x, w, Precision.FP32, batch_invariant=batch_invariant)
     assert torch.equal(again, expected) and len(tried) == 1 and not caplog.records
 
 
 def test_shrinking_stops_where_nothing_is_left_to_shrink(gen, monkeypatch):
     from triton.runtime.errors import OutOfResources
 
-    import vllm_router_ext.ops.dispatch as d
+    import csrc_triton.dispatch as d
 
-    problem = choice.Problem(3, 512, 48, RouterPrecision.FP32)
+    problem = Problem(3, 512, 48, Precision.FP32)
     launch = replace(TILED_PROMOTED, block_m=32, block_n=64)
     chain = [launch]
     while (smaller := choice.shrink(chain[-1], problem)) is not None:
@@ -299,7 +299,7 @@ def test_shrinking_stops_where_nothing_is_left_to_shrink(gen, monkeypatch):
     monkeypatch.setattr(d, "_FITTED", {})
     x, w = _inputs(gen, 3, 512, 48)
     with pytest.raises(OutOfResources):  # a GPU that holds not even the smallest tile: say so
-        router_gemm_cuda(x, w, RouterPrecision.FP32, batch_invariant=False)
+        router_gemm_cuda(x, w, Precision.FP32, batch_invariant=False)
 
 
 def test_a_wgmma_ws_launch_that_never_fits_runs_the_triton_fallback(gen, monkeypatch):
@@ -308,10 +308,10 @@ def test_a_wgmma_ws_launch_that_never_fits_runs_the_triton_fallback(gen, monkeyp
     never a failed serving step."""
     from triton.runtime.errors import OutOfResources
 
-    import vllm_router_ext.ops.dispatch as d
+    import csrc_triton.dispatch as d
 
     x, w = _inputs(gen, 40, 512, 48)
-    problem = choice.Problem.of(x, w, RouterPrecision.FP32)
+    problem = Problem.of(x, w, Precision.FP32)
     launch = choice.wgmma_ws(128, 0, num_stages=2, block_n_tail=32)
     chain = [launch]
     while (smaller := choice.shrink(chain[-1], problem)) is not None and smaller.kernel == "wgmma_ws":
@@ -338,7 +338,7 @@ def test_a_wgmma_ws_launch_falls_back_to_triton_where_it_cannot_run(gen, caplog)
     """Under the interpreter (as for an fp32 weight, unaligned rows or a Triton without Gluon on a
     GPU) a wgmma_ws launch runs the fallback's Triton kernel: same accuracy, one log line."""
     x, w = _inputs(gen, 40, 300, 24, row_stride=320)
-    problem = choice.Problem.of(x, w, RouterPrecision.FP32)
+    problem = Problem.of(x, w, Precision.FP32)
     assert "TRITON_INTERPRET" in choice.wgmma_ws_problem(problem) or DEV == "cuda"
     out = _poisoned(40, 24, torch.float32)
     choice._FALLBACKS_LOGGED.clear()

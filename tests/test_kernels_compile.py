@@ -2,7 +2,7 @@
 
 The device tests run on an H200 with Triton 3.6; vLLM 0.32's CUDA build brings Triton 3.9 (the
 version of the CPU build installed here), and the interpreter tests never compile anything. So
-every config the dispatch would launch (``vllm_router_ext.testing.aot``: each mode, bf16 and fp32
+every config the dispatch would launch (``vllm_router_ext.tools.compile_check``: each mode, bf16 and fp32
 gate weights, batch invariance on and off, M from 1 to 16384) is compiled here for the GPUs users
 run: the H200 with its tuned table, and H100 / A100 / L40S / B200 with the heuristic configs.
 On sm_90 this includes the Gluon ``wgmma_ws`` kernel, which has no interpreter form at all.
@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from vllm_router_ext.testing.aot import TRITON_OF_VLLM
+from vllm_router_ext.tools.compile_check import TRITON_OF_VLLM
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USERS_TRITONS = sorted(set(TRITON_OF_VLLM.values()))
@@ -46,7 +46,7 @@ def compile_runs(tmp_path_factory):
     for arch, name, sms in GPUS:
         out = tmp_path_factory.mktemp(f"aot-sm{arch}")
         env_one = env | {"TRITON_CACHE_DIR": str(out / "triton-cache")}  # compile for real, every time
-        cmd = [sys.executable, "-m", "vllm_router_ext.testing.aot", "--arch", str(arch)]
+        cmd = [sys.executable, "-m", "vllm_router_ext.tools.compile_check", "--arch", str(arch)]
         cmd += ["--device-name", name, "--sms", str(sms), "--json", str(out / "aot.json")]
         log = open(out / "log.txt", "w")  # noqa: SIM115 -- closed below, after the process ends
         runs[name] = (subprocess.Popen(cmd, env=env_one, stdout=log, stderr=subprocess.STDOUT), out, log)
@@ -95,7 +95,15 @@ def users_triton_runs(tmp_path_factory):
             "TRITON_CACHE_DIR": str(out / "triton-cache"),
             "PYTHONPATH": os.pathsep.join([site, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         }
-        cmd = [sys.executable, "-m", "vllm_router_ext.testing.aot", "--arch", "90", "--shapes", "table"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm_router_ext.tools.compile_check",
+            "--arch",
+            "90",
+            "--shapes",
+            "table",
+        ]
         cmd += ["--device-name", "NVIDIA H200", "--weights", "16-bit", "--json", str(out / "aot.json")]
         log = open(out / "log.txt", "w")  # noqa: SIM115 -- closed below, after the process ends
         proc = subprocess.Popen(cmd, env=env_one, stdout=log, stderr=subprocess.STDOUT)
@@ -138,8 +146,8 @@ def test_wgmma_ws_forms_compile_for_sm90_without_spills():
     no TRITON_INTERPRET) must not spill."""
     script = """
 import json, torch
-from vllm_router_ext.testing.aot import _captured_launches, _compile, _resources
-from vllm_router_ext.ops.choice import wgmma_ws
+from vllm_router_ext.tools.compile_check import _captured_launches, _compile, _resources
+from csrc_triton.choice import wgmma_ws
 from csrc_triton.router_gemm_wgmma_ws import GLUON, wgmma_ws_launch
 out = []
 forms = [dict(k_per_split=0), dict(k_per_split=1792), dict(k_per_split=0, block_n_tail=32),
@@ -163,7 +171,7 @@ print(json.dumps(out))
     if not GLUON:
         pytest.skip("this Triton has no Gluon warp specialisation: the dispatch never selects the kernel")
     kernels = {r[1] for r in results}
-    assert {"_wgmma_ws_kernel", "_splitk_reduce_kernel"} <= kernels
+    assert {"_wgmma_ws_kernel", "_split_sum_kernel"} <= kernels
     assert not [r for r in results if r[3]], results  # spill bytes
     rows64 = [r for r in results if "block_m" in r[0] and r[1] == "_wgmma_ws_kernel"]
     assert len(rows64) == 3 and all(r[2] <= 128 for r in rows64), rows64  # two programs an SM
@@ -177,12 +185,12 @@ def test_pdl_forms_compile_with_grid_dependency_control():
     script = """
 import json, torch
 from csrc_triton import pdl
-from vllm_router_ext.testing.aot import _captured_launches, _compile
+from vllm_router_ext.tools.compile_check import _captured_launches, _compile
 from dataclasses import replace
 from csrc_triton.launches import SplitKLaunch
 from csrc_triton.router_gemm_splitk import splitk_launch
 from csrc_triton.router_gemm_wgmma_ws import GLUON, wgmma_ws_launch
-from vllm_router_ext.ops.choice import wgmma_ws
+from csrc_triton.choice import wgmma_ws
 x, w = torch.zeros(512, 7168, dtype=torch.bfloat16), torch.zeros(384, 7168, dtype=torch.bfloat16)
 out = []
 for arch in (90, 80):
@@ -207,12 +215,12 @@ print(json.dumps(out))
     rows = {(a, kind, form, fn): (trig, wait, flag) for a, kind, form, fn, trig, wait, flag in json.loads(
         run.stdout.strip().splitlines()[-1])}  # fmt: skip
     assert rows[(90, "splitk", "{}", "_splitk_partials_kernel")] == (1, 0, False)
-    assert rows[(90, "splitk", "{}", "_splitk_reduce_kernel")] == (0, 1, True)
+    assert rows[(90, "splitk", "{}", "_split_sum_kernel")] == (0, 1, True)
     assert rows[(80, "splitk", "{}", "_splitk_partials_kernel")] == (0, 0, False)
-    assert rows[(80, "splitk", "{}", "_splitk_reduce_kernel")] == (0, 0, False)
+    assert rows[(80, "splitk", "{}", "_split_sum_kernel")] == (0, 0, False)
     from csrc_triton.router_gemm_wgmma_ws import GLUON
 
     if GLUON:
         assert rows[(90, "wgmma", "{'pdl': 1}", "_wgmma_ws_kernel")] == (1, 0, False)
         assert rows[(90, "wgmma", "{'pdl': 2}", "_wgmma_ws_kernel")] == (3, 0, False)  # each partition
-        assert rows[(90, "wgmma", "{'pdl': 2}", "_splitk_reduce_kernel")] == (0, 1, True)
+        assert rows[(90, "wgmma", "{'pdl': 2}", "_split_sum_kernel")] == (0, 1, True)

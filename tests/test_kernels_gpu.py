@@ -7,12 +7,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+from csrc_triton import choice
+from csrc_triton.dispatch import launch_exactly, launch_into
 from csrc_triton.launches import GemvLaunch, SplitKLaunch, WgmmaWsLaunch, describe, fields, from_bucket
-from vllm_router_ext.benchmarking import FAMILY_SHAPES, SHAPES, RouterShape
-from vllm_router_ext.ops import choice, router_gemm
-from vllm_router_ext.ops.dispatch import launch_exactly, launch_into
-from vllm_router_ext.ops.reference import changed_expert_sets, select_experts
+from csrc_triton.problem import Device, Precision, Problem
+from vllm_router_ext.bench_harness import FAMILY_SHAPES, SHAPES, RouterShape
+from vllm_router_ext.ops import router_gemm
 from vllm_router_ext.ops.router_gemm import fp32_weight_terms
+from vllm_router_ext.ops.routing_fp64 import changed_expert_sets, select_experts
 from vllm_router_ext.precision import RouterPrecision
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +40,7 @@ def _rel(out, x, w):
 
 def _pick(x, w, mode, batch_invariant=False):
     """What the dispatch launches for these tensors."""
-    return choice.choose(choice.Problem.of(x, w, RouterPrecision(mode), batch_invariant))
+    return choice.choose(Problem.of(x, w, Precision(mode), batch_invariant))
 
 
 def _run(launch, x, w, out):
@@ -55,7 +57,7 @@ def _xw(m, shape, w_dtype=torch.bfloat16, row_stride=None):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 @pytest.mark.parametrize("mode", ["bf16-fp32out", "fp32", "bf16"])
 def test_every_shape_and_m_poisoned_and_accurate(shape, mode):
-    prec = RouterPrecision(mode)
+    prec = Precision(mode)
     for m in MS:
         x, w = _xw(m, shape, row_stride=shape.k + 64)  # non-contiguous rows
         cfg = _pick(x, w, prec)
@@ -119,7 +121,7 @@ def test_every_table_bucket_at_both_ends(shape, key, cfg, m):
     if key == mode:
         with table_override("nvidia_h200"):
             picked = _pick(x, w, mode)
-        resolved = choice.resolve(cfg, choice.Problem.of(x, w, RouterPrecision(mode)))
+        resolved = choice.resolve(cfg, Problem.of(x, w, Precision(mode)))
         assert (picked.kernel, fields(picked)) == (resolved.kernel, fields(resolved)), (m, describe(picked))
     out = torch.full((m, shape.n), float("nan"), device="cuda")
     res = _run(cfg, x, w, out)
@@ -192,7 +194,7 @@ def test_wgmma_ws_kernel_poisoned_and_accurate(shape, k_per_split, block_n):
     cfg = choice.wgmma_ws(block_n, k_per_split)
     for m in (1, 3, 127, 128, 129, 1000, 4097):
         x, w = _xw(m, shape, row_stride=shape.k + 64)
-        assert choice.wgmma_ws_problem(choice.Problem.of(x, w, RouterPrecision.FP32)) is None
+        assert choice.wgmma_ws_problem(Problem.of(x, w, Precision.FP32)) is None
         out = torch.full((m, shape.n), float("nan"), device="cuda")
         launch_exactly(cfg, x, w, out)
         assert not out.isnan().any(), (m, describe(cfg))
@@ -251,7 +253,7 @@ def test_wgmma_ws_falls_back_where_tma_cannot_read_the_rows():
     the heuristic's Triton kernel instead, with the same accuracy."""
     shape = SHAPES[0]
     x, w = _xw(300, shape, row_stride=shape.k + 1)
-    assert "16-byte" in choice.wgmma_ws_problem(choice.Problem.of(x, w, RouterPrecision.FP32))
+    assert "16-byte" in choice.wgmma_ws_problem(Problem.of(x, w, Precision.FP32))
     out = torch.full((300, shape.n), float("nan"), device="cuda")
     launch_into(choice.wgmma_ws(128, 1792), x, w, out)
     assert not out.isnan().any() and _rel(out, x, w) <= 1e-6
@@ -484,7 +486,7 @@ def test_heuristic_without_a_table_poisoned_and_accurate(shape, mode):
     heuristic config at and beside its switch points, poisoned, against fp64, and through the op."""
     from csrc_triton.tables import table_override
 
-    prec = RouterPrecision(mode)
+    prec = Precision(mode)
     tol = {"fp32": 1e-6, "bf16-fp32out": 1e-5, "bf16": 8e-3}[mode]
     out_dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     with table_override("none"):
@@ -560,10 +562,9 @@ def test_splits_in_program_bitwise_equal_ticket_reduction(shape, mode):
             )
             out = launch_into(cfg, x, w, torch.full((300, shape.n), float("nan"), device="cuda"))
             assert torch.equal(out, ref), (kps, describe(cfg))
-    h200 = choice.Device("NVIDIA H200", 132, 90)
+    h200 = Device("NVIDIA H200", 132, 90)
     small, large = (
-        choice.heuristic(choice.Problem(m, shape.k, shape.n, RouterPrecision(mode), True, device=h200))
-        for m in (1, 4096)
+        choice.heuristic(Problem(m, shape.k, shape.n, Precision(mode), True, device=h200)) for m in (1, 4096)
     )
     assert large.splits_in_program and not small.splits_in_program
     outs = [launch_into(c, x, w, torch.empty(300, shape.n, device="cuda")) for c in (small, large)]
@@ -574,10 +575,10 @@ def test_splits_in_program_bitwise_equal_ticket_reduction(shape, mode):
 def test_selfcheck_probes_every_batch_invariant_config_on_this_gpu(mode):
     """The start-up self-check runs one M per distinct batch-invariant config the dispatch can pick
     (derived from this GPU's table), and passes."""
-    from vllm_router_ext.benchmarking import M_LIST
+    from vllm_router_ext.bench_harness import M_LIST
     from vllm_router_ext.selfcheck import check_batch_invariance, probe_sizes
 
-    prec = RouterPrecision(mode)
+    prec = Precision(mode)
     for shape in SHAPES:
         w = (torch.randn(shape.n, shape.k, device="cuda") / shape.k**0.5).to(torch.bfloat16)
         sizes = probe_sizes(w, prec)
@@ -593,8 +594,8 @@ def test_a_table_entry_too_big_for_this_gpu_is_shrunk_to_the_same_sums(monkeypat
     """A config that needs more shared memory than the H200 has (as an H200 table would on a
     GPU with less): the op shrinks it (stages, then tiles) instead of failing, and the logits are
     bitwise those of a config that fits with the same K structure."""
+    import csrc_triton.dispatch as d
     import csrc_triton.tables as t
-    import vllm_router_ext.ops.dispatch as d
 
     shape = SHAPES[0]
     big = dict(block_m=128, block_n=128, block_k=128, k_per_split=512, promote_chunks=2, num_warps=8)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vllm_router_ext.ops import router_gemm
-from vllm_router_ext.ops.reference import reference_logits, relative_error
+from vllm_router_ext.ops.routing_fp64 import reference_logits, relative_error
 from vllm_router_ext.precision import RouterPrecision
 
 MODES = ["fp32", "bf16-fp32out", "bf16"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vllm_router_ext.ops import router_gemm
-from vllm_router_ext.ops.reference import (
+from vllm_router_ext.ops.routing_fp64 import (
     RoutingConfig,
     changed_expert_sets,
     near_tie_mask,

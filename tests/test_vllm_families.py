@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from vllm_router_ext.families import family_of
-from vllm_router_ext.ops.reference import relative_error
-from vllm_router_ext.testing.tiny_checkpoint import FAMILY_PRESETS, build_tiny_family
+from vllm_router_ext.ops.routing_fp64 import relative_error
+from vllm_router_ext.tools.tiny_checkpoint import FAMILY_PRESETS, build_tiny_family
 
 pytestmark = pytest.mark.vllm
 

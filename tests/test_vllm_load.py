@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from vllm_router_ext.testing.server import Server, precision_lines, serve
+from vllm_router_ext.tools.server import Server, precision_lines, serve
 
 pytestmark = pytest.mark.vllm
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from vllm_router_ext.ops.reference import (
+from vllm_router_ext.ops.routing_fp64 import (
     RoutingConfig,
     near_tie_mask,
     reference_logits,
@@ -88,7 +88,7 @@ def test_each_mode_generates_and_routes_like_fp64(tiny_model, run_offline, mode,
 
 
 def test_auto_keeps_an_fp32_checkpoint_gate_in_fp32(tmp_path, run_offline):
-    from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
+    from vllm_router_ext.tools.tiny_checkpoint import build_tiny_deepseek_v3
 
     model = build_tiny_deepseek_v3(tmp_path / "fp32-gate", seed=3, gate_dtype=torch.float32)
     result = run_offline(model)
@@ -103,7 +103,7 @@ def test_each_release_cpu_vllm_runs_generates_and_routes_like_fp64(tmp_path, run
     """Each release's routing (softmax with group-limited or plain greedy top-k, 160 / 64 experts;
     Kimi-K2's 384 experts in one group), served by the override with auto's precision. DeepSeek-V3.2
     and GLM-5 are built in test_architectures.py: CPU vLLM has no sparse attention for them."""
-    from vllm_router_ext.testing.tiny_checkpoint import ROUTING_PRESETS, build_tiny_model
+    from vllm_router_ext.tools.tiny_checkpoint import ROUTING_PRESETS, build_tiny_model
 
     path = build_tiny_model(tmp_path / model, model)
     arch = ROUTING_PRESETS[model]["architectures"][0]
@@ -118,7 +118,7 @@ def test_each_release_cpu_vllm_runs_generates_and_routes_like_fp64(tmp_path, run
 
 def test_an_fp8_checkpoint_generates_with_our_gate(tmp_path, run_offline):
     """DeepSeek-V3's FP8 layout end to end: needs vLLM's CPU FP8 linear kernels, i.e. AMX."""
-    from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3, cpu_runs_fp8
+    from vllm_router_ext.tools.tiny_checkpoint import build_tiny_deepseek_v3, cpu_runs_fp8
 
     if not cpu_runs_fp8():
         pytest.skip(
@@ -235,7 +235,7 @@ def test_mtp_draft_routes_with_the_targets_settings(tmp_path, run_offline, extra
     """Speculative decoding with DeepSeek's MTP layer: the draft model has a router gate of its
     own, and it must route like the target (the same precision and batch invariance, fp32
     logits), not on vLLM's bf16 logits. With batch invariance both models pass the start-up check."""
-    from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
+    from vllm_router_ext.tools.tiny_checkpoint import build_tiny_deepseek_v3
 
     model = build_tiny_deepseek_v3(tmp_path / "mtp", seed=5, mtp_layers=1)
     result = run_offline(
@@ -268,7 +268,7 @@ def test_mtp_draft_routes_with_the_targets_settings(tmp_path, run_offline, extra
 def test_an_mtp_draft_takes_its_own_precision_where_set(tmp_path, run_offline, draft_mode):
     """``router_precision_draft``: the target keeps its own (``auto``: fp32), the MTP draft's gate
     runs the draft's (``bf16-fp32out``: ours, logits against fp64) or vLLM's own gate (``vllm``)."""
-    from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
+    from vllm_router_ext.tools.tiny_checkpoint import build_tiny_deepseek_v3
 
     model = build_tiny_deepseek_v3(tmp_path / "mtp", seed=6, mtp_layers=1)
     result = run_offline(
@@ -315,7 +315,7 @@ def test_random_dummy_weights_still_log_the_precision_and_check_batch_invariance
 def test_eagle_draft_head_routes_with_the_targets_precision(tmp_path, run_offline):
     """Speculative decoding with an EAGLE head of DeepSeek MoE layers (vLLM builds it as
     ``EagleDeepSeekMTPModel``): its router gate runs the target's precision too."""
-    from vllm_router_ext.testing.tiny_checkpoint import (
+    from vllm_router_ext.tools.tiny_checkpoint import (
         build_tiny_deepseek_eagle_head,
         build_tiny_deepseek_v3,
     )

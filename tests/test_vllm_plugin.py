@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from cli_log import cli_warnings
 
 from vllm_router_ext.precision import CLI_BATCH_INVARIANT_KEY, CLI_CONFIG_KEY, RouterPrecision, RouterSettings
-from vllm_router_ext.testing.tiny_checkpoint import vllm_has_cpu_op
+from vllm_router_ext.tools.tiny_checkpoint import vllm_has_cpu_op
 
 PREFIX = "model.layers.3.mlp.gate"
 
@@ -302,7 +302,7 @@ def test_gate_in_scope_turns_off_every_vllm_tier_a_later_one_too(vllm_dist, monk
 @pytest.mark.parametrize("mode", ["fp32", "bf16-fp32out", "bf16"])
 def test_gate_in_scope_runs_the_mode(vllm_dist, gen, mode):
     from vllm_router_ext.layers.gate import RouterGemm, router_settings_scope
-    from vllm_router_ext.ops.reference import reference_logits, relative_error
+    from vllm_router_ext.ops.routing_fp64 import reference_logits, relative_error
 
     with router_settings_scope(RouterSettings(RouterPrecision(mode), "test")):
         gate = _gate()
@@ -332,7 +332,7 @@ def test_gate_in_scope_runs_the_mode(vllm_dist, gen, mode):
 )
 def test_weight_storage_rules_at_load(vllm_dist, gen, precision, weight_kind, expect_dtype):
     from vllm_router_ext.layers.gate import router_settings_scope
-    from vllm_router_ext.ops.reference import reference_logits, relative_error
+    from vllm_router_ext.ops.routing_fp64 import reference_logits, relative_error
 
     settings = RouterSettings(RouterPrecision(precision), "test")
     with router_settings_scope(settings):
@@ -549,7 +549,7 @@ def test_settings_are_checked_where_the_engine_starts_and_an_unknown_key_is_name
 
     from vllm_router_ext.cli import check_settings
     from vllm_router_ext.settings import SettingsError
-    from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
+    from vllm_router_ext.tools.tiny_checkpoint import build_tiny_deepseek_v3
 
     path = build_tiny_deepseek_v3(tmp_path / "tiny")
     model = ModelConfig(model=str(path), dtype="bfloat16", max_model_len=256)
@@ -578,7 +578,7 @@ def test_every_engine_process_takes_the_settings_as_checked_where_the_engine_sta
 
     from vllm_router_ext.cli import check_settings
     from vllm_router_ext.precision import CHECKED_KEY, ENV_VAR, RouterPrecision, resolve_router_settings
-    from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
+    from vllm_router_ext.tools.tiny_checkpoint import build_tiny_deepseek_v3
 
     path = build_tiny_deepseek_v3(tmp_path / "tiny")
     model = ModelConfig(model=str(path), dtype="bfloat16", max_model_len=256)
@@ -600,7 +600,7 @@ def test_a_draft_precision_without_a_draft_is_named_once(vllm_dist, tmp_path):
     from vllm_configs import engine_free_config
 
     from vllm_router_ext.cli import check_settings
-    from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
+    from vllm_router_ext.tools.tiny_checkpoint import build_tiny_deepseek_v3
 
     path = build_tiny_deepseek_v3(tmp_path / "tiny")
     model = ModelConfig(model=str(path), dtype="bfloat16", max_model_len=256)
@@ -623,7 +623,7 @@ def test_the_checked_capture_travels_with_the_engine(vllm_dist, tmp_path, monkey
 
     from vllm_router_ext.capture import resolve_capture
     from vllm_router_ext.cli import check_settings
-    from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
+    from vllm_router_ext.tools.tiny_checkpoint import build_tiny_deepseek_v3
 
     path = build_tiny_deepseek_v3(tmp_path / "tiny")
     model = ModelConfig(model=str(path), dtype="bfloat16", max_model_len=256, enforce_eager=True)

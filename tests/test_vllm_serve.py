@@ -9,7 +9,7 @@ import pytest
 import torch
 from cli_log import cli_warnings
 
-from vllm_router_ext.testing.server import cpu_env, omp_threads_bind, precision_lines, serve, vllm_command
+from vllm_router_ext.tools.server import cpu_env, omp_threads_bind, precision_lines, serve, vllm_command
 
 
 @pytest.mark.vllm
@@ -32,7 +32,7 @@ def test_serve_with_router_precision_answers_completions(tiny_model, tmp_path, m
     assert "'router_precision': 'bf16-fp32out'" in log  # vLLM's logged non-default args
 
 
-TAP = ("--worker-extension-cls", "vllm_router_ext.testing.gate_tap.GateTap")  # what each gate saw
+TAP = ("--worker-extension-cls", "vllm_router_ext.workers.gate_tap.GateTap")  # what each gate saw
 
 
 def _serve_capturing(tiny_model, tmp_path, budget: int, env: dict | None = None):
@@ -79,7 +79,7 @@ def test_sigterm_writes_the_capture_the_server_holds_then_the_audit_reads_it(tin
 
     from safetensors.torch import load_file
 
-    from vllm_router_ext.ops.reference import reference_logits, relative_error
+    from vllm_router_ext.ops.routing_fp64 import reference_logits, relative_error
 
     server, path = _serve_capturing(tiny_model, tmp_path, 4096)
     try:
@@ -211,7 +211,7 @@ def test_demo_main_job(tmp_path):
     import sys
 
     p = subprocess.run(
-        [sys.executable, "-m", "vllm_router_ext.testing.demo", "--workdir", str(tmp_path)],
+        [sys.executable, "-m", "vllm_router_ext.tools.demo", "--workdir", str(tmp_path)],
         env=cpu_env(tmp_path),
         capture_output=True,
         text=True,

@@ -10,13 +10,15 @@ import dataclasses
 import pytest
 import torch
 
-import vllm_router_ext.ops.choice as choice
+import csrc_triton.problem as problem_types
+from csrc_triton import choice
+from csrc_triton.problem import Device, Precision, Problem
 from vllm_router_ext.ops.warmup import scan_limit, warmup_sizes
 from vllm_router_ext.precision import RouterPrecision, RouterSettings
 
-H200 = choice.Device("NVIDIA H200", 132, 90, cublas=True, gluon=True)
-H100 = choice.Device("NVIDIA H100 80GB HBM3", 132, 90, cublas=True, gluon=True)  # no table: heuristic
-FP32, BF16_FP32OUT = RouterPrecision.FP32, RouterPrecision.BF16_FP32OUT
+H200 = Device("NVIDIA H200", 132, 90, cublas=True, gluon=True)
+H100 = Device("NVIDIA H100 80GB HBM3", 132, 90, cublas=True, gluon=True)  # no table: heuristic
+FP32, BF16_FP32OUT = Precision.FP32, Precision.BF16_FP32OUT
 
 
 class CompileKeys:
@@ -25,7 +27,7 @@ class CompileKeys:
     KERNELS = (
         ("csrc_triton.router_gemm_gemv", "_gemv_kernel"),
         ("csrc_triton.router_gemm_splitk", "_splitk_partials_kernel"),
-        ("csrc_triton.router_gemm_splitk", "_splitk_reduce_kernel"),
+        ("csrc_triton.split_sum", "_split_sum_kernel"),
         ("csrc_triton.router_gemm_tiled", "_tiled_kernel"),
         ("csrc_triton.router_gemm_wgmma_ws_gluon", "_wgmma_ws_kernel"),
     )
@@ -52,9 +54,9 @@ class CompileKeys:
             monkeypatch.setattr(importlib.import_module(module_name), "interpreting", lambda: False)
         for module_name in ("csrc_triton.router_gemm_splitk", "csrc_triton.router_gemm_wgmma_ws"):
             monkeypatch.setattr(importlib.import_module(module_name), "pdl_enabled", lambda device: True)
-        monkeypatch.setattr(choice, "interpreting", lambda: False)
+        monkeypatch.setattr(problem_types, "interpreting", lambda: False)
         # cuBLAS compiles nothing; on CPU tensors it has no bf16 x bf16 -> fp32 GEMM
-        import vllm_router_ext.ops.dispatch as dispatch
+        import csrc_triton.dispatch as dispatch
 
         cublas = lambda x, w, dtype: torch.empty((x.shape[0], w.shape[0]), dtype=dtype)  # noqa: E731
         monkeypatch.setattr(dispatch, "_cublas", cublas)
@@ -73,7 +75,7 @@ class _Recorder:
 
 
 def _keys_of(recorder, sizes, k, n, precision, batch_invariant, weight_dtype) -> set:
-    from vllm_router_ext.ops.dispatch import router_gemm_cuda
+    from csrc_triton.dispatch import router_gemm_cuda
     from vllm_router_ext.ops.router_gemm import fp32_weight_terms
 
     recorder.keys.clear()
@@ -100,12 +102,12 @@ CASES = [
 def test_the_warm_up_compiles_what_every_step_size_compiles(
     monkeypatch, device, k, n, precision, bi, weight_dtype, max_m
 ):
-    problem = choice.Problem(1, k, n, precision, bi, torch.bfloat16, weight_dtype, device,
+    problem = Problem(1, k, n, precision, bi, torch.bfloat16, weight_dtype, device,
                              weight_terms=weight_dtype == torch.float32 and not bi)  # fmt: skip
     sizes = warmup_sizes(problem, max_m)
     assert sizes[0] == 1 and sizes[-1] <= max_m and list(sizes) == sorted(set(sizes))
     recorder = CompileKeys(monkeypatch)
-    monkeypatch.setattr(choice, "CPU_INTERPRETER", device)  # Problem.of's device for CPU tensors
+    monkeypatch.setattr(problem_types, "CPU_INTERPRETER", device)  # Problem.of's device for CPU tensors
     every = _keys_of(recorder, range(1, max_m + 1), k, n, precision, bi, weight_dtype)
     warmed = _keys_of(recorder, sizes, k, n, precision, bi, weight_dtype)
     assert warmed == every, sorted(every - warmed)
@@ -120,7 +122,7 @@ def test_the_warm_up_compiles_what_every_step_size_compiles(
 @pytest.mark.parametrize("device,k,n,precision,bi,weight_dtype,max_m", CASES)
 def test_nothing_changes_above_the_scan(device, k, n, precision, bi, weight_dtype, max_m):
     """The warm-up scans the choice up to :func:`scan_limit`; above it the launch stays."""
-    problem = choice.Problem(1, k, n, precision, bi, torch.bfloat16, weight_dtype, device,
+    problem = Problem(1, k, n, precision, bi, torch.bfloat16, weight_dtype, device,
                              weight_terms=weight_dtype == torch.float32 and not bi)  # fmt: skip
     limit = scan_limit(problem)
     at_limit = choice.choose(dataclasses.replace(problem, m=limit))
@@ -142,7 +144,7 @@ def test_a_table_bucket_anywhere_is_warmed(monkeypatch, table_env, tmp_path):
     path = tmp_path / "table.json"
     path.write_text(json.dumps(table))
     table_env(str(path))
-    problem = choice.Problem(1, 1024, 64, FP32, False, torch.bfloat16, torch.bfloat16, H200)
+    problem = Problem(1, 1024, 64, FP32, False, torch.bfloat16, torch.bfloat16, H200)
     sizes = warmup_sizes(problem, 4096)
     assert {3001, 3002, 3003} <= set(sizes)
     assert {choice.choose(dataclasses.replace(problem, m=m)).block_m for m in (3001, 3002, 3003)} == {32}
@@ -158,13 +160,13 @@ def test_a_gate_of_ours_warms_its_kernels_once_its_weight_is_final(vllm_dist, mo
     calls = []
     monkeypatch.setattr(warmup, "warm_up_gate", lambda *args: calls.append(args) or 0)
     monkeypatch.setattr(vllm_dist.scheduler_config, "max_num_batched_tokens", 3000)
-    with router_settings_scope(RouterSettings(FP32, "test", batch_invariant=True)):
+    with router_settings_scope(RouterSettings(RouterPrecision.FP32, "test", batch_invariant=True)):
         gate = _gate()
     gate.weight_loader(gate.weight, (torch.randn(8, 64, generator=gen) / 8).to(torch.bfloat16))
     gate.quant_method.process_weights_after_loading(gate)
     assert len(calls) == 1
     weight, precision, batch_invariant, x_dtype, max_m, terms = calls[0]
-    assert weight is gate.weight and precision is FP32 and batch_invariant
+    assert weight is gate.weight and precision is RouterPrecision.FP32 and batch_invariant
     assert x_dtype == torch.bfloat16 and max_m >= 3000 and terms is None
     stock = _gate()  # outside the scope: vLLM's own method, no warm-up of ours
     # vLLM's CPU path packs the weight with a kernel a CUDA wheel lacks on some hosts: not ours.
@@ -187,7 +189,7 @@ def test_a_gate_of_ours_registers_none_of_vllms_gate_warm_ups(vllm_dist):
         pytest.skip("this vLLM's GateLinear registers no warm-up of its own (before 0.34)")
     from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
 
-    with router_settings_scope(RouterSettings(FP32, "test")):
+    with router_settings_scope(RouterSettings(RouterPrecision.FP32, "test")):
         ours = _gate()
     ours.allow_bf16x3_router_gemm = ours.allow_ll_fp32w_gemm = True  # as on a Hopper GPU
     ours.allow_fp32_router_gemm = False

@@ -6,7 +6,7 @@
 Reads ``config.json`` and, through the safetensors index, only each MoE layer's router tensors
 (its weight, a router bias, an ``e_score_correction_bias``), one layer at a time (never the
 experts). For every mode it computes the logits with the plugin's own ``router_gemm`` on the
-chosen device, routes them the way vLLM routes that family (``ops/reference.py``: DeepSeek's
+chosen device, routes them the way vLLM routes that family (``ops/routing_fp64.py``: DeepSeek's
 grouped top-k, sigmoid + correction bias for GLM-4.5 / MiniMax-M2, softmax top-k with or without
 renormalisation for Qwen / OLMoE / Mixtral / gpt-oss, ERNIE-4.5's softmax + correction bias,
 Llama-4's sigmoid top-k) and compares with an fp64 reference: relative error, % of tokens whose
@@ -28,7 +28,8 @@ import torch
 
 from vllm_router_ext.capture import FILE_RE, CaptureError, captures_in, describe_capture, read_capture
 from vllm_router_ext.ops import router_gemm
-from vllm_router_ext.ops.reference import (
+from vllm_router_ext.ops.router_gemm import fp32_weight_terms
+from vllm_router_ext.ops.routing_fp64 import (
     DEEPSEEK_MODEL_TYPES,
     ROUTED_MODEL_TYPES,
     ROUTING_KEYS,
@@ -40,7 +41,6 @@ from vllm_router_ext.ops.reference import (
     routing_fields,
     select_experts,
 )
-from vllm_router_ext.ops.router_gemm import fp32_weight_terms
 from vllm_router_ext.plotting import PLOT_MISSING, pyplot
 
 #: A MoE layer's router weight, under each family's names (``model.layers.N.mlp.gate``,

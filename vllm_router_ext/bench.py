@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from vllm_router_ext.benchmarking import (
+from vllm_router_ext.bench_harness import (
     M_LIST,
     PEER,
     SHAPE_BY_NAME,
@@ -40,8 +40,8 @@ from vllm_router_ext.benchmarking import (
     time_graph,
 )
 from vllm_router_ext.ops import router_gemm
-from vllm_router_ext.ops.reference import changed_expert_sets, select_experts
 from vllm_router_ext.ops.router_gemm import fp32_weight_terms
+from vllm_router_ext.ops.routing_fp64 import changed_expert_sets, select_experts
 from vllm_router_ext.plotting import PLOT_MISSING, pyplot
 
 METHODS = {  # each called as fn(x, w, w32, w32_terms)

@@ -248,7 +248,7 @@ def _check_capture_floor(capture: Any, hf_config: Any) -> None:
     import torch
 
     from vllm_router_ext.capture import GateShape, check_budget
-    from vllm_router_ext.ops.reference import num_experts, routing_fields
+    from vllm_router_ext.ops.routing_fp64 import num_experts, routing_fields
 
     cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
     hidden, experts = routing_fields(cfg).get("hidden_size"), num_experts(cfg)

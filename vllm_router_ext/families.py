@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FP32 = "fp32"
-#: How vLLM picks a family's experts from the router logits (:mod:`vllm_router_ext.ops.reference`).
+#: How vLLM picks a family's experts from the router logits (:mod:`vllm_router_ext.ops.routing_fp64`).
 ROUTINGS = {
     "deepseek": "the config's own: DeepSeek-V3's noaux_tc (sigmoid + correction bias, grouped) or "
     "DeepSeek-V2's softmax (greedy or group-limited)",

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from csrc_triton import environment
+from csrc_triton.problem import Precision
 from vllm_router_ext.families import family_of, is_draft
 from vllm_router_ext.settings import CHECKED
 
@@ -83,6 +84,13 @@ class RouterPrecision(str, enum.Enum):
         if self is RouterPrecision.AUTO:
             raise ValueError("'auto' must be resolved before it has a logits dtype")
         return None
+
+    @property
+    def kernel(self) -> Precision:
+        """The kernel library's precision of this mode (``auto`` must be resolved first)."""
+        if self is RouterPrecision.AUTO:
+            raise ValueError("'auto' must be resolved before the kernels can run it")
+        return Precision(self.value)
 
 
 _BY_VALUE: dict[str, RouterPrecision] = {p.value: p for p in RouterPrecision}

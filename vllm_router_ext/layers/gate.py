@@ -20,8 +20,8 @@ from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
 from vllm_router_ext._version import ENTRY_POINT
-from vllm_router_ext.ops.native import router_gemm_native
 from vllm_router_ext.ops.router_gemm import fp32_weight_terms, router_gemm
+from vllm_router_ext.ops.router_gemm_torch import router_gemm_torch
 from vllm_router_ext.precision import (
     RouterPrecision,
     RouterSettings,
@@ -72,7 +72,7 @@ class RouterGemm(CustomOp):
         if self.batch_invariant:
             # Row-by-row on CPU: behind the torch op so compile sees no loop over tokens.
             return router_gemm(x, weight, self.precision, batch_invariant=True)
-        return router_gemm_native(x, weight, self.precision)
+        return router_gemm_torch(x, weight, self.precision)
 
     def forward_cuda(
         self, x: torch.Tensor, weight: torch.Tensor, weight_terms: torch.Tensor | None = None

@@ -3,15 +3,21 @@
 The op is registered with torch as ``torch.ops.router_ext.router_gemm`` (with a fake
 implementation), so the choice of kernel by the number of tokens happens *inside* an opaque op at
 run time: torch.compile and CUDA-graph capture never freeze a Python branch on ``x.shape[0]``.
+The precision is parsed once, here; the op carries its value, and the CUDA implementation hands the
+kernel library (``csrc_triton``) its typed :class:`~csrc_triton.problem.Precision`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_router_ext.ops.native import router_gemm_native
+from csrc_triton.dispatch import check_weight_terms, fp32_weight_terms, router_gemm_cuda
+from csrc_triton.problem import Precision
+from vllm_router_ext.ops.router_gemm_torch import router_gemm_torch
 from vllm_router_ext.precision import RouterPrecision
 
+#: The op's precision value -> the kernel library's (a dict lookup on every call).
+_KERNEL_PRECISION: dict[str, Precision] = {p.value: p for p in Precision}
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DTYPE_NAMES = "bfloat16, float16, float32"
 
@@ -50,25 +56,6 @@ def check_router_gemm_inputs(x: torch.Tensor, weight: torch.Tensor, precision: R
         )
 
 
-def fp32_weight_terms(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 weight ``[N, K]`` as three bf16 terms stacked ``[3N, K]`` (hi, mid, lo; each the
-    truncation of what is left): ``hi + mid + lo == weight`` exactly for fp32 values down to
-    ~2^-110 (8 significant bits each = fp32's 24; below that lo would be subnormal), so
-    ``x @ term.T`` per term is three bf16 GEMMs whose products are exact in fp32. Made once when
-    the weight is loaded; the ``fp32`` mode's CUDA dispatch runs them as one GEMM at large M."""
-    w = weight.float().contiguous()
-    hi = _bf16_truncated(w)
-    rest = w - hi.float()  # exact: the low 16 bits of each value
-    mid = _bf16_truncated(rest)
-    lo = (rest - mid.float()).to(torch.bfloat16)  # exact: <= 8 significant bits remain
-    return torch.cat([hi, mid, lo])
-
-
-def _bf16_truncated(v: torch.Tensor) -> torch.Tensor:
-    # Truncation, not rounding: an fp32 value near its maximum would round up to inf in bf16.
-    return (v.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
-
-
 def router_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -98,19 +85,6 @@ def router_gemm(
     return torch.ops.router_ext.router_gemm(x, weight, precision.value, bool(batch_invariant), weight_terms)
 
 
-def check_weight_terms(weight: torch.Tensor, terms: torch.Tensor) -> None:
-    """Raise ``ValueError`` unless ``terms`` is what :func:`fp32_weight_terms` makes of ``weight``
-    (shape, dtype, device; the values are the caller's promise)."""
-    if weight.dtype != torch.float32:
-        raise ValueError(f"weight_terms are for an fp32 weight; weight has dtype {weight.dtype}")
-    expected = (3 * weight.shape[0], weight.shape[1])
-    if terms.dtype != torch.bfloat16 or tuple(terms.shape) != expected or terms.device != weight.device:
-        raise ValueError(
-            f"weight_terms must be bfloat16 {list(expected)} on {weight.device} "
-            f"(fp32_weight_terms(weight)); got {terms.dtype} {list(terms.shape)} on {terms.device}"
-        )
-
-
 def _logits_dtype(x: torch.Tensor, precision: str) -> torch.dtype:
     return x.dtype if precision == RouterPrecision.BF16.value else torch.float32
 
@@ -122,7 +96,7 @@ def _router_gemm_cpu(
     batch_invariant: bool,
     weight_terms: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return router_gemm_native(x, weight, RouterPrecision(precision), batch_invariant)
+    return router_gemm_torch(x, weight, RouterPrecision(precision), batch_invariant)
 
 
 def _router_gemm_cuda(
@@ -132,9 +106,7 @@ def _router_gemm_cuda(
     batch_invariant: bool,
     weight_terms: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    from vllm_router_ext.ops.dispatch import router_gemm_cuda
-
-    return router_gemm_cuda(x, weight, RouterPrecision(precision), batch_invariant, weight_terms)
+    return router_gemm_cuda(x, weight, _KERNEL_PRECISION[precision], batch_invariant, weight_terms)
 
 
 def _router_gemm_fake(
@@ -163,3 +135,5 @@ def _register() -> None:
 
 _LIBS: list[torch.library.Library] = []
 _register()
+
+__all__ = ["check_router_gemm_inputs", "check_weight_terms", "fp32_weight_terms", "router_gemm"]

@@ -7,8 +7,7 @@ from dataclasses import replace
 
 import torch
 
-import vllm_router_ext.ops.choice as choice
-from csrc_triton import tables
+from csrc_triton import choice, problem, tables
 from csrc_triton.dot import DotMode
 from csrc_triton.launches import SplitKLaunch, WgmmaWsLaunch
 from vllm_router_ext.precision import RouterPrecision
@@ -17,13 +16,6 @@ _DOT = {
     DotMode.NATIVE: "16-bit MMA",
     DotMode.SPLIT3: "fp32 weight split into 3 bf16 MMAs",
     DotMode.IEEE: "IEEE fp32 dot",
-}
-_KERNEL = {
-    "gemv": "triton GEMV (fp32 FMA)",
-    "splitk": "triton split-K",
-    "tiled": "triton tiled",
-    "wgmma_ws": "gluon warp-specialised wgmma",
-    "cublas": "cuBLAS",
 }
 
 
@@ -39,10 +31,10 @@ def batch_invariant_probe_sizes(weight: torch.Tensor, precision: RouterPrecision
 
 def _gate(
     index: int, precision: RouterPrecision, batch_invariant: bool, weight_dtype: torch.dtype, k: int, n: int
-) -> choice.Problem:
+) -> problem.Problem:
     """A bf16-activation gate's problem on a CUDA device, for M to be filled in."""
-    device = choice.cuda_device(index)
-    return choice.Problem(1, k, n, precision, batch_invariant, torch.bfloat16, weight_dtype, device)
+    device = problem.cuda_device(index)
+    return problem.Problem(1, k, n, precision.kernel, batch_invariant, torch.bfloat16, weight_dtype, device)
 
 
 def describe_cuda_dispatch(
@@ -63,14 +55,14 @@ def describe_cuda_dispatch(
         )
     ranges: list[list] = []  # [kernel, first M, last M]
     for m in (1 << i for i in range(15)):
-        kernel = choice.choose(replace(problem, m=m)).kernel
-        if ranges and ranges[-1][0] == kernel:
+        title = type(choice.choose(replace(problem, m=m))).title
+        if ranges and ranges[-1][0] == title:
             ranges[-1][2] = m
         else:
-            ranges.append([kernel, m, m])
+            ranges.append([title, m, m])
     parts = [
-        f"{_KERNEL[kernel]} M<={last}" if i < len(ranges) - 1 else f"{_KERNEL[kernel]} above"
-        for i, (kernel, _, last) in enumerate(ranges)
+        f"{title} M<={last}" if i < len(ranges) - 1 else f"{title} above"
+        for i, (title, _, last) in enumerate(ranges)
     ]
     name = problem.device.name
     if tables.has_shape(name, k, n):
@@ -89,5 +81,5 @@ def describe_cuda_dispatch(
     absent = ""
     if precision is RouterPrecision.FP32:  # the prefill kernel this mode runs where the GPU allows
         unmet = WgmmaWsLaunch.needs.unmet(problem.device.capability, problem.device.has_gluon)
-        absent = f"; no {_KERNEL['wgmma_ws']} here: {unmet}" if unmet else ""
+        absent = f"; no {WgmmaWsLaunch.title} here: {unmet}" if unmet else ""
     return f"by M at run time: {', '.join(parts)} ({dot}{promo}; {tuned}){terms}{absent}"

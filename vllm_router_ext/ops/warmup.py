@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-import vllm_router_ext.ops.choice as choice
-from csrc_triton import tables
+from csrc_triton import choice, tables
+from csrc_triton.problem import Problem
 from vllm_router_ext.precision import RouterPrecision
 
 # Under "vllm." so that, inside vLLM, its handlers and format apply (no vLLM import here).
@@ -29,7 +29,7 @@ logger = logging.getLogger(f"vllm.{__name__}")
 SPECIALISATION_DIVISOR = 16
 
 
-def scan_limit(p: choice.Problem) -> int:
+def scan_limit(p: Problem) -> int:
     """Above this M the choice no longer changes for ``p``'s gate: past the heuristic's largest
     threshold and every bucket end the table has for the gate (and its fp32 weight's terms), plus
     one round of residues."""
@@ -45,7 +45,7 @@ def scan_limit(p: choice.Problem) -> int:
     return max([choice.BUCKET_SCAN_TO, *(e + 1 for e in ends)]) + SPECIALISATION_DIVISOR
 
 
-def warmup_sizes(p: choice.Problem, max_m: int) -> tuple[int, ...]:
+def warmup_sizes(p: Problem, max_m: int) -> tuple[int, ...]:
     """The smallest M of every (launch, M == 1, M mod 16) class among M = 1..``max_m`` for
     ``p``'s gate (its ``m`` is ignored), ascending."""
     first: dict[tuple, int] = {}
@@ -94,7 +94,7 @@ def warm_up_gate(
     start = time.perf_counter()
     with torch.cuda.device(weight.device):
         x_template = torch.empty((1, sig.k), dtype=x_dtype, device=weight.device)
-        problem = choice.Problem.of(x_template, weight, precision, batch_invariant, sig.weight_terms)
+        problem = Problem.of(x_template, weight, precision.kernel, batch_invariant, sig.weight_terms)
         sizes = warmup_sizes(problem, max_m)
         x = torch.zeros((sizes[-1], sig.k), dtype=x_dtype, device=weight.device)
         for m in sizes:
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     terms = None
     if weight.dtype == torch.float32 and precision is RouterPrecision.FP32 and not args.batch_invariant:
-        from vllm_router_ext.ops.router_gemm import fp32_weight_terms
+        from csrc_triton.dispatch import fp32_weight_terms
 
         terms = fp32_weight_terms(weight)
     warm_up_gate(weight, precision, args.batch_invariant, torch.bfloat16, args.max_tokens, terms)

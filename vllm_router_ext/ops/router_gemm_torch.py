@@ -35,7 +35,7 @@ def _rowwise_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def router_gemm_native(
+def router_gemm_torch(
     x: torch.Tensor, weight: torch.Tensor, precision: RouterPrecision, batch_invariant: bool = False
 ) -> torch.Tensor:
     """Reference semantics of :func:`vllm_router_ext.ops.router_gemm` (inputs already validated)."""

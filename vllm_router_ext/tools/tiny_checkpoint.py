@@ -6,7 +6,7 @@ The routing is DeepSeek-V3's on 16 experts, or that of a real release (``--model
 count); ``--fp8`` writes DeepSeek-V3's FP8 block-quantized layout. The other families
 (:func:`build_tiny_family`) are written by transformers from their own configs.
 
-    python -m vllm_router_ext.testing.tiny_checkpoint OUT_DIR [--model kimi-k2] [--fp8]
+    python -m vllm_router_ext.tools.tiny_checkpoint OUT_DIR [--model kimi-k2] [--fp8]
         [--gate-dtype float32] [--seed 0]
 
 It ships: the demo serves one, and the GPU end-to-end suite builds its checkpoints with it.

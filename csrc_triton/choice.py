@@ -14,15 +14,13 @@ with batch invariance the K structure is one for every M. Measurements behind th
 
 from __future__ import annotations
 
-import functools
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from csrc_triton import cdiv
 from csrc_triton import tables as T
-from csrc_triton.environment import interpreting
 from csrc_triton.launches import (
     WGMMA_WS_BLOCK_M,
     CublasLaunch,
@@ -36,112 +34,12 @@ from csrc_triton.launches import (
     describe,
     from_bucket,
 )
-from vllm_router_ext.precision import RouterPrecision
+from csrc_triton.problem import Precision, Problem
 
 # Under "vllm." so that, inside vLLM, its handlers and format apply (no vLLM import here).
 logger = logging.getLogger(f"vllm.{__name__}")
 
-FP32 = RouterPrecision.FP32
-
-
-@dataclass(frozen=True)
-class Device:
-    """The facts of a GPU the choice depends on. ``gluon`` None: ask this Triton."""
-
-    name: str
-    sm_count: int
-    capability: int  # compute capability x10
-    cublas: bool = True
-    gluon: bool | None = None
-
-    @property
-    def has_gluon(self) -> bool:
-        if self.gluon is not None:
-            return self.gluon
-        from csrc_triton.capability import gluon_available
-
-        return gluon_available()
-
-
-#: Off-GPU (the interpreter): compiled as for an H200-sized Hopper, without cuBLAS.
-CPU_INTERPRETER = Device("cpu-interpreter", 132, 90, cublas=False)
-
-
-@functools.lru_cache(maxsize=8)
-def cuda_device(index: int) -> Device:
-    props = torch.cuda.get_device_properties(index)
-    return Device(props.name, props.multi_processor_count, props.major * 10 + props.minor)
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One router GEMM ``[m, k] x [n, k]^T`` to run. ``weight_terms``: an fp32 weight's three bf16
-    terms are at hand; ``layout_problem``: why TMA cannot read the operands (None: it can)."""
-
-    m: int
-    k: int
-    n: int
-    precision: RouterPrecision
-    batch_invariant: bool = False
-    x_dtype: torch.dtype = torch.bfloat16
-    weight_dtype: torch.dtype = torch.bfloat16
-    device: Device = CPU_INTERPRETER
-    weight_terms: bool = False
-    layout_problem: str | None = None
-    interpreting: bool = False
-
-    @classmethod
-    def of(
-        cls,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        precision: RouterPrecision,
-        batch_invariant: bool = False,
-        weight_terms: bool = False,
-    ) -> Problem:
-        """The problem these tensors pose on their device."""
-        device = cuda_device(x.device.index or 0) if x.is_cuda else CPU_INTERPRETER
-        return cls(
-            x.shape[0],
-            x.shape[1],
-            weight.shape[0],
-            precision,
-            batch_invariant,
-            x.dtype,
-            weight.dtype,
-            device,
-            weight_terms,
-            _tma_problem(x, weight),
-            interpreting(),
-        )
-
-    @property
-    def fp32(self) -> bool:
-        return self.precision is FP32
-
-    @property
-    def fp32_weight(self) -> bool:
-        return self.weight_dtype == torch.float32
-
-    @property
-    def logits_dtype(self) -> torch.dtype:
-        return self.x_dtype if self.precision is RouterPrecision.BF16 else torch.float32
-
-    @property
-    def cublas(self) -> bool:
-        """cuBLAS may serve: a GPU, a 16-bit mode (it has no fp32-accurate GEMM), one operand dtype."""
-        return self.device.cublas and not self.fp32 and self.x_dtype == self.weight_dtype
-
-    @property
-    def hopper(self) -> bool:
-        return self.device.capability // 10 == 9
-
-
-def _tma_problem(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    for name, t in (("x", x), ("weight", weight)):
-        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            return f"{name} layout (stride {tuple(t.stride())}, not 16-byte aligned rows)"
-    return None
+FP32 = Precision.FP32
 
 
 def choose(p: Problem) -> Launch:
@@ -174,7 +72,7 @@ def selected(p: Problem, allow_wgmma_ws: bool = True) -> KernelLaunch:
     return heuristic(p, allow_wgmma_ws)
 
 
-def table_key(precision: RouterPrecision, batch_invariant: bool, variant: str = "") -> str:
+def table_key(precision: Precision, batch_invariant: bool, variant: str = "") -> str:
     """A mode's key in a tuned table (the two 16-bit modes share their launches)."""
     key = ("fp32" if precision is FP32 else "bf16-fp32out") + ("/batch_invariant" if batch_invariant else "")
     return key + (f"/{variant}" if variant else "")

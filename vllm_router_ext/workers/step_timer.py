@@ -2,7 +2,7 @@
 without the host's share (scheduling, HTTP, sampling) that moves more than the router does.
 
 vLLM imports this module in each worker when it is named as the worker extension
-(``--worker-extension-cls vllm_router_ext.testing.step_timer.StepTimer``). While on, every
+(``--worker-extension-cls vllm_router_ext.workers.step_timer.StepTimer``). While on, every
 ``torch.cuda.CUDAGraph.replay`` is bracketed by two timing events on the stream it is launched on
 (events come from a pool made at start, so the hot path allocates nothing). A FULL graph is a
 whole forward pass: vLLM replays one per uniform decode batch. ``router_steps_start`` /

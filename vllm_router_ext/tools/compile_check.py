@@ -1,7 +1,7 @@
 """Compile every Triton kernel the CUDA dispatch would launch, for a GPU architecture, without a GPU.
 It ships as a user's check of a Triton upgrade or a new GPU's compile (docs/kernels.md).
 
-    python -m vllm_router_ext.testing.aot [--arch 90] [--shapes DeepSeek-V3,...]
+    python -m vllm_router_ext.tools.compile_check [--arch 90] [--shapes DeepSeek-V3,...]
 
 The device tests run on an H200 with one Triton version; vLLM's CUDA build may bring another
 (vLLM 0.32: torch 2.13 and Triton 3.9, the versions of the CPU build here). CPU CI runs the
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from csrc_triton.launches import KernelLaunch
-from vllm_router_ext.benchmarking import SHAPE_BY_NAME, SHAPES, RouterShape
-from vllm_router_ext.precision import RouterPrecision
+from csrc_triton.problem import Precision
+from vllm_router_ext.bench_harness import SHAPE_BY_NAME, SHAPES, RouterShape
 
 #: The Triton each supported CUDA build of vLLM pins: what its users compile these kernels with.
 TRITON_OF_VLLM = {"0.32": "3.7.1", "0.33": "3.8.0", "0.34": "3.8.0"}
@@ -107,10 +107,10 @@ def _resources(kernel) -> tuple[int, int]:
 #: (mode, weight dtype) pairs the dispatch serves: logits dtype follows the mode (bf16 for ``bf16``),
 #: and an fp32 gate weight takes the exact three-term split in the ``fp32`` mode.
 CASES = (
-    (RouterPrecision.BF16_FP32OUT, torch.bfloat16),
-    (RouterPrecision.BF16, torch.bfloat16),
-    (RouterPrecision.FP32, torch.bfloat16),
-    (RouterPrecision.FP32, torch.float32),
+    (Precision.BF16_FP32OUT, torch.bfloat16),
+    (Precision.BF16, torch.bfloat16),
+    (Precision.FP32, torch.bfloat16),
+    (Precision.FP32, torch.float32),
 )
 
 
@@ -125,17 +125,18 @@ def _arg_key(arg) -> object:
 
 def launches_to_compile(
     shape: RouterShape, device_name: str, sm_count: int, arch: int, cases=CASES
-) -> list[tuple[str, RouterPrecision, torch.dtype, int, KernelLaunch, tuple[str, ...]]]:
+) -> list[tuple[str, Precision, torch.dtype, int, KernelLaunch, tuple[str, ...]]]:
     """(label, mode, weight dtype, M, launch, Tritons its bucket was timed under) of every distinct
     Triton launch the choice makes for this shape on this GPU: each of ``cases``, batch invariance
     off and on (not for ``bf16``, which has no batch-invariant form), at every M of :data:`M_POINTS`."""
+    from csrc_triton.choice import choose, table_key
+    from csrc_triton.problem import Device, Problem
     from csrc_triton.tables import bucket_for, table_buckets
-    from vllm_router_ext.ops.choice import Device, Problem, choose, table_key
 
     device = Device(device_name, sm_count, arch)
     seen: dict = {}
     for mode, w_dtype in cases:
-        for bi in (False, True) if mode is not RouterPrecision.BF16 else (False,):
+        for bi in (False, True) if mode is not Precision.BF16 else (False,):
             for m in M_POINTS:
                 launch = choose(Problem(m, shape.k, shape.n, mode, bi, torch.bfloat16, w_dtype, device))
                 if launch.kernel != "cublas" and (mode, w_dtype, launch) not in seen:
@@ -160,8 +161,8 @@ def compile_configs(
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter never compiles the kernels")
     from csrc_triton import pdl
+    from csrc_triton.dispatch import launch_exactly
     from csrc_triton.launches import describe
-    from vllm_router_ext.ops.dispatch import launch_exactly
 
     results: list[Compiled] = []
     done: dict = {}  # (kernel, specialisation) -> Compiled: the same launch compiles once
@@ -170,7 +171,7 @@ def compile_configs(
         for label, mode, w_dtype, m, launch, timed in to_compile:
             x = torch.zeros(m, shape.k, dtype=torch.bfloat16)
             w = torch.zeros(shape.n, shape.k, dtype=w_dtype)
-            out_dtype = torch.bfloat16 if mode is RouterPrecision.BF16 else torch.float32
+            out_dtype = torch.bfloat16 if mode is Precision.BF16 else torch.float32
             out = torch.empty(m, shape.n, dtype=out_dtype)
             # as launched on a GPU of that arch: two-launch sums with PDL from sm_90
             with _captured_launches() as launches, pdl.forced(arch >= 90):

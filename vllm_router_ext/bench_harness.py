@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_router_ext.ops.reference import RoutingConfig
+from vllm_router_ext.ops.routing_fp64 import RoutingConfig
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """A tap on the router gates of a served model that survives torch.compile and CUDA graphs.
 
 vLLM imports this module in each worker when it is named as the worker extension
-(``vllm serve ... --worker-extension-cls vllm_router_ext.testing.gate_tap.GateTap``). Importing it
+(``vllm serve ... --worker-extension-cls vllm_router_ext.workers.gate_tap.GateTap``). Importing it
 makes every gate the plugin owns copy its input and logits into device buffers at device-side
 positions, inside one mutating custom op: compile keeps the op, CUDA graphs capture and replay its
 kernels, so real decode and prefill batches are recorded as served. The tap is off (records
@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from vllm_router_ext.layers.gate import RouterGateLinear
-from vllm_router_ext.testing.step_timer import StepTimer
+from vllm_router_ext.workers.step_timer import StepTimer
 
 ROWS = 4096  # rows kept per gate
 CALLS = 8192  # batch sizes kept per gate
 
 
-@torch.library.custom_op("router_ext_testing::tap", mutates_args=("xs", "logits_buf", "state", "sizes"))
+@torch.library.custom_op("router_ext_gate_tap::tap", mutates_args=("xs", "logits_buf", "state", "sizes"))
 def tap(
     x: torch.Tensor,
     logits: torch.Tensor,
@@ -78,7 +78,7 @@ def _tapped_forward(self: RouterGateLinear, x: torch.Tensor):
     out = _forward(self, x)
     if self.router_settings is not None:
         logits = out[0] if isinstance(out, tuple) else out
-        torch.ops.router_ext_testing.tap(
+        torch.ops.router_ext_gate_tap.tap(
             x, logits, self._tap_x, self._tap_logits, self._tap_state, self._tap_sizes
         )
     return out

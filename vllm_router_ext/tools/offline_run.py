@@ -2,7 +2,7 @@
 because the tests run it as ``python -m`` in a fresh interpreter, whose vLLM workers import
 :mod:`gate_records` by module path.
 
-    python -m vllm_router_ext.testing.offline_run MODEL_DIR OUT.pt [--additional-config JSON]
+    python -m vllm_router_ext.tools.offline_run MODEL_DIR OUT.pt [--additional-config JSON]
         [--tp N] [--hf-overrides JSON] [--max-tokens N] [--speculative-config JSON]
 
 Saves ``{"texts", "gates": [per-rank gate summaries], "records": [rank-0 gate/router records]}``;
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from vllm import LLM, SamplingParams
 
-    from vllm_router_ext.testing import gate_records
+    from vllm_router_ext.workers import gate_records
 
     llm = LLM(
         model=args.model,

@@ -2,7 +2,7 @@
 ``vllm serve --router-precision bf16-fp32out`` on 127.0.0.1, send a completion, print it and the
 router-precision log line, stop the server. It ships: it is the README's first command.
 
-    python -m vllm_router_ext.testing.demo [--precision bf16-fp32out] [--workdir DIR]
+    python -m vllm_router_ext.tools.demo [--precision bf16-fp32out] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import tempfile
 from pathlib import Path
 
 from vllm_router_ext.precision import RouterPrecision
-from vllm_router_ext.testing.server import precision_lines, serve
-from vllm_router_ext.testing.tiny_checkpoint import build_tiny_deepseek_v3
+from vllm_router_ext.tools.server import precision_lines, serve
+from vllm_router_ext.tools.tiny_checkpoint import build_tiny_deepseek_v3
 
 
 def main(argv: list[str] | None = None) -> int:
