@@ -40,19 +40,47 @@ def test_each_family_says_how_it_is_routed_and_the_references_read_it():
     """A family's ``model_types`` and ``routing`` are its own facts: one family per model type, a
     routing that the references know, and the references' tables are exactly those facts."""
     from vllm_router_ext.families import ROUTINGS
-    from vllm_router_ext.ops import reference
+    from vllm_router_ext.ops import routing_fp64
 
     types = [t for f in FAMILIES for t in f.model_types]
     assert len(types) == len(set(types))
     for family in FAMILIES:
         assert (family.routing is None) == (not family.model_types), family.name
         assert family.routing is None or family.routing in ROUTINGS, family.name
-    assert set(reference.ROUTED_MODEL_TYPES) == set(types)
+    assert set(routing_fp64.ROUTED_MODEL_TYPES) == set(types)
     renorm = {"gpt_oss": True, "mixtral": True}
     plain = dict.fromkeys(("qwen3_moe", "qwen3_vl_moe_text", "qwen3_next", "qwen2_moe", "olmoe"), False)
-    assert reference.SOFTMAX_TOP_K == plain | renorm
-    assert set(reference.DEEPSEEK_MODEL_TYPES) == {
+    assert routing_fp64.SOFTMAX_TOP_K == plain | renorm
+    assert set(routing_fp64.DEEPSEEK_MODEL_TYPES) == {
         "deepseek", "deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa"
     }  # fmt: skip
     for preset in FAMILY_PRESETS.values():  # every tiny checkpoint's model type is a family's
         assert family_of(preset["architectures"][0]).model_types.count(preset["model_type"]) == 1
+
+
+def test_every_release_belongs_to_its_family_and_routes():
+    """A family's releases (its benchmark shapes and tiny checkpoints) are its own: their model
+    type and architecture are the family's, their config routes as the audit reads a config, and
+    a release that names another's gate (``shape_of``) has exactly that gate."""
+    from vllm_router_ext.bench_harness import SHAPE_BY_NAME
+    from vllm_router_ext.families import RELEASES
+    from vllm_router_ext.ops.routing_fp64 import RoutingConfig
+
+    names = [r.name for r in RELEASES]
+    assert len(names) == len(set(names)) and len(RELEASES) >= 20
+    for family in FAMILIES:
+        for release in family.releases:
+            assert release.config["model_type"] in family.model_types, release.name
+            assert release.architecture in (None, *family.architectures), release.name
+            routing = RoutingConfig.from_hf_config(release.config)
+            assert routing.top_k <= release.experts, release.name
+            if release.shape_of is None:
+                assert SHAPE_BY_NAME[release.name].routing == routing
+            else:
+                other = SHAPE_BY_NAME[release.shape_of]
+                assert (other.k, other.n) == (release.hidden, release.experts), release.name
+                assert release.name not in SHAPE_BY_NAME
+    # the tiny checkpoints of releases are the DeepSeek family's (built on its body)
+    assert set(ROUTING_PRESETS) == {r.name.lower() for r in RELEASES if r.tiny is not None}
+    assert ROUTING_PRESETS["deepseek-v3"]["n_group"] == 8
+    assert ROUTING_PRESETS["kimi-k2"]["n_routed_experts"] == 384

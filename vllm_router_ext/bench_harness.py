@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_router_ext.families import FAMILIES, Release
 from vllm_router_ext.ops.routing_fp64 import RoutingConfig
 
 
@@ -18,43 +19,24 @@ class RouterShape:
     routing: RoutingConfig
 
 
-_SQRTSOFTPLUS_BIAS = "sqrtsoftplus", "noaux_tc", True  # DeepSeek-V4: renormalised, x1.5
+def release_shape(release: Release) -> RouterShape:
+    """A release's gate and its config's routing (as the audit reads a config)."""
+    routing = RoutingConfig.from_hf_config(release.config)
+    return RouterShape(release.name, release.hidden, release.experts, routing)
 
-#: The router shapes of the DeepSeek family, with each model's own routing (V4-Pro's gate has
-#: Kimi-K2's shape).
-SHAPES: tuple[RouterShape, ...] = (
-    RouterShape("DeepSeek-V3", 7168, 256, RoutingConfig(8, 8, 4, "sigmoid", "noaux_tc", True, 2.5)),
-    RouterShape("Kimi-K2", 7168, 384, RoutingConfig(8, 1, 1, "sigmoid", "noaux_tc", True, 2.827)),
-    RouterShape(
-        "DeepSeek-V2", 5120, 160, RoutingConfig(6, 8, 3, "softmax", "group_limited_greedy", False, 16.0)
-    ),
-    RouterShape("GLM-5", 6144, 256, RoutingConfig(8, 1, 1, "sigmoid", "noaux_tc", True, 2.5)),
-    RouterShape("DeepSeek-V2-Lite", 2048, 64, RoutingConfig(6, 1, 1, "softmax", "greedy", False, 1.0)),
-    RouterShape("DeepSeek-V4-Flash", 4096, 256, RoutingConfig(6, 1, 1, *_SQRTSOFTPLUS_BIAS, 1.5)),
-    RouterShape("DeepSeek-V4-Pro", 7168, 384, RoutingConfig(6, 1, 1, *_SQRTSOFTPLUS_BIAS, 1.5)),
+
+#: The family routings DeepSeek's models use (its own config keys, and DeepSeek-V4's).
+_DEEPSEEK_ROUTINGS = ("deepseek", "sqrtsoftplus_bias")
+_TIMED = [(f, r) for f in FAMILIES for r in f.releases if r.shape_of is None]
+#: The router shapes of the DeepSeek family's releases (the family table's), with each model's own
+#: routing (V4-Pro's gate has Kimi-K2's shape): what the benchmark and the tuner run by default.
+SHAPES: tuple[RouterShape, ...] = tuple(
+    release_shape(r) for f, r in _TIMED if f.routing in _DEEPSEEK_ROUTINGS
 )
-
-_SOFTMAX_RENORM = "softmax", "greedy", True
-_SIGMOID_BIAS = "sigmoid", "noaux_tc", True
-_SOFTMAX_BIAS = "softmax", "noaux_tc", True  # ERNIE-4.5: the bias picks, the softmax scores weigh
-
-#: The gates of the other MoE families' releases (hidden size, experts, routing, from each
-#: release's config.json), timed and audited beside the DeepSeek family; each has its own entry in
-#: the H200 table (GLM-4.5's is DeepSeek-V2's).
-FAMILY_SHAPES: tuple[RouterShape, ...] = (
-    RouterShape("Qwen3-235B-A22B", 4096, 128, RoutingConfig(8, 1, 1, *_SOFTMAX_RENORM)),
-    RouterShape("Qwen3-30B-A3B", 2048, 128, RoutingConfig(8, 1, 1, *_SOFTMAX_RENORM)),
-    RouterShape("Qwen3-Next-80B", 2048, 512, RoutingConfig(10, 1, 1, *_SOFTMAX_RENORM)),
-    RouterShape("gpt-oss-120b", 2880, 128, RoutingConfig(4, 1, 1, *_SOFTMAX_RENORM)),
-    RouterShape("gpt-oss-20b", 2880, 32, RoutingConfig(4, 1, 1, *_SOFTMAX_RENORM)),
-    RouterShape("Mixtral-8x7B", 4096, 8, RoutingConfig(2, 1, 1, *_SOFTMAX_RENORM)),
-    RouterShape("Mixtral-8x22B", 6144, 8, RoutingConfig(2, 1, 1, *_SOFTMAX_RENORM)),
-    RouterShape("Llama-4-Scout", 5120, 16, RoutingConfig(1, 1, 1, "sigmoid")),
-    RouterShape("Llama-4-Maverick", 5120, 128, RoutingConfig(1, 1, 1, "sigmoid")),
-    RouterShape("GLM-4.5", 5120, 160, RoutingConfig(8, 1, 1, *_SIGMOID_BIAS, 2.5)),
-    RouterShape("MiniMax-M2", 3072, 256, RoutingConfig(8, 1, 1, *_SIGMOID_BIAS)),
-    RouterShape("ERNIE-4.5-300B-A47B", 8192, 64, RoutingConfig(8, 1, 1, *_SOFTMAX_BIAS)),
-    RouterShape("ERNIE-4.5-21B-A3B", 2560, 64, RoutingConfig(6, 1, 1, *_SOFTMAX_BIAS)),
+#: The gates of the other MoE families' releases, timed and audited beside the DeepSeek family;
+#: each has its own entry in the H200 table (GLM-4.5's is DeepSeek-V2's).
+FAMILY_SHAPES: tuple[RouterShape, ...] = tuple(
+    release_shape(r) for f, r in _TIMED if f.routing not in _DEEPSEEK_ROUTINGS
 )
 
 SHAPE_BY_NAME: dict[str, RouterShape] = {s.name: s for s in SHAPES + FAMILY_SHAPES}

@@ -11,7 +11,8 @@ Imports nothing of vLLM, Triton or this package: the precision resolution reads 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 FP32 = "fp32"
 #: How vLLM picks a family's experts from the router logits (:mod:`vllm_router_ext.ops.routing_fp64`).
@@ -59,6 +60,26 @@ class RoutingKeys:
 
 
 @dataclass(frozen=True)
+class Release:
+    """A published checkpoint of a family: its gate's shape (what the kernels are tuned and
+    benchmarked on) and its config.json's routing keys (what the fp64 references replay on that
+    gate and a tiny checkpoint of the release copies)."""
+
+    name: str
+    hidden: int
+    experts: int
+    #: The routing keys as the release's config.json states them (``model_type`` included).
+    config: dict[str, Any] = field(compare=False, hash=False)
+    #: Its architecture, where a tiny checkpoint of it is built (:data:`tiny` set).
+    architecture: str | None = None
+    #: A tiny checkpoint of this release keeps these besides its routing (shared experts, the
+    #: indexer's sizes); None: no tiny checkpoint of this release.
+    tiny: dict[str, Any] | None = field(default=None, compare=False, hash=False)
+    #: Its gate has another release's shape (timed there), so it is no benchmark shape of its own.
+    shape_of: str | None = None
+
+
+@dataclass(frozen=True)
 class MoeFamily:
     name: str
     #: vLLM's architecture names: checkpoints' and the speculative-decoding drafts' (``drafts``).
@@ -78,6 +99,11 @@ class MoeFamily:
     routing: str | None = None
     #: The ``sigmoid_bias`` routing's config keys and bias names (:class:`RoutingKeys`).
     keys: RoutingKeys = RoutingKeys()
+    #: Its releases' gates (:class:`Release`): the benchmark's and the tuner's shapes.
+    releases: tuple[Release, ...] = ()
+    #: The tiny checkpoint the tests build of the family: (its name, the Hugging Face config
+    #: beside a tiny body); None: none, or built from its releases' :attr:`Release.tiny`.
+    tiny: tuple[str, dict[str, Any]] | None = field(default=None, compare=False, hash=False)
 
 
 _REF = "transformers {}: {}"
@@ -94,28 +120,113 @@ _TRANSFORMERS_BACKEND = (
     "the router as a GateLinear at the dtype it traces there"
 )
 
+
+# --- releases: each one's gate shape and config.json routing (DeepSeek's: n_routed_experts)
+# fmt: off
+
+
+def _deepseek(model_type: str, top_k: int, groups: tuple[int, int], method: str, score: str,
+              scale: float, renormalize: bool) -> dict[str, Any]:
+    return dict(model_type=model_type, num_experts_per_tok=top_k, n_group=groups[0],
+                topk_group=groups[1], topk_method=method, scoring_func=score,
+                routed_scaling_factor=scale, norm_topk_prob=renormalize)
+
+
+_V3, _V2 = "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"
+_INDEXER = dict(n_shared_experts=1, index_n_heads=4, index_head_dim=128, index_topk=64)
+_DEEPSEEK_RELEASES = (
+    Release("DeepSeek-V3", 7168, 256, _deepseek("deepseek_v3", 8, (8, 4), "noaux_tc", "sigmoid", 2.5, True),
+            _V3, dict(n_shared_experts=1)),
+    Release("Kimi-K2", 7168, 384, _deepseek("kimi_k2", 8, (1, 1), "noaux_tc", "sigmoid", 2.827, True),
+            _V3, dict(n_shared_experts=1)),
+    Release("DeepSeek-V2", 5120, 160,
+            _deepseek("deepseek_v2", 6, (8, 3), "group_limited_greedy", "softmax", 16.0, False),
+            _V2, dict(n_shared_experts=2)),
+    Release("DeepSeek-V2-Lite", 2048, 64,
+            _deepseek("deepseek_v2", 6, (1, 1), "greedy", "softmax", 1.0, False), _V2,
+            dict(n_shared_experts=2)),
+)
+#: The two DSA models: DeepSeek-V3's routing (V3.2) or GLM-5's, plus the sparse-attention indexer.
+_DSA_RELEASES = (
+    Release("DeepSeek-V3.2", 7168, 256,
+            _deepseek("deepseek_v32", 8, (8, 4), "noaux_tc", "sigmoid", 2.5, True), "DeepseekV32ForCausalLM",
+            _INDEXER, shape_of="DeepSeek-V3"),
+    Release("GLM-5", 6144, 256, _deepseek("glm_moe_dsa", 8, (1, 1), "noaux_tc", "sigmoid", 2.5, True),
+            "GlmMoeDsaForCausalLM", _INDEXER),
+)
+_V4 = dict(model_type="deepseek_v4", num_experts_per_tok=6, scoring_func="sqrtsoftplus",
+           topk_method="noaux_tc", norm_topk_prob=True, routed_scaling_factor=1.5)
+_V4_RELEASES = (Release("DeepSeek-V4-Flash", 4096, 256, _V4), Release("DeepSeek-V4-Pro", 7168, 384, _V4))
+_GLM4_5 = dict(model_type="glm4_moe", num_experts_per_tok=8, n_group=1, topk_group=1, norm_topk_prob=True,
+               routed_scaling_factor=2.5)
+_MINIMAX_M2 = dict(model_type="minimax_m2", num_experts_per_tok=8, scoring_func="sigmoid",
+                   use_routing_bias=True)
+_ERNIE = (Release("ERNIE-4.5-300B-A47B", 8192, 64, dict(model_type="ernie4_5_moe", moe_k=8)),
+          Release("ERNIE-4.5-21B-A3B", 2560, 64, dict(model_type="ernie4_5_moe", moe_k=6)))
+_QWEN3 = dict(model_type="qwen3_moe", num_experts_per_tok=8, norm_topk_prob=True)
+_QWEN3_NEXT = dict(model_type="qwen3_next", num_experts_per_tok=10, norm_topk_prob=True)
+_GPT_OSS = dict(model_type="gpt_oss", num_experts_per_tok=4)
+_MIXTRAL = dict(model_type="mixtral", num_experts_per_tok=2)
+_LLAMA4 = dict(model_type="llama4_text", num_experts_per_tok=1)
+
+# --- tiny checkpoints of the other families (a tiny body; the tests' sizes, the routing's keys)
+
+_TINY_QWEN3 = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], intermediate_size=512,
+                   moe_intermediate_size=64, num_experts=32, num_experts_per_tok=4, norm_topk_prob=True)
+_TINY_MIXTRAL = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], intermediate_size=128,
+                     num_local_experts=8, num_experts_per_tok=2)
+_TINY_GPT_OSS = dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], intermediate_size=128,
+                     num_local_experts=8, num_experts_per_tok=2, sliding_window=128,
+                     layer_types=["sliding_attention", "full_attention"])
+_TINY_LLAMA4 = dict(model_type="llama4_text", architectures=["Llama4ForCausalLM"], intermediate_size=128,
+                    intermediate_size_mlp=256, num_local_experts=8, num_experts_per_tok=1,
+                    interleave_moe_layer_step=1, no_rope_layers=[1, 1], attn_temperature_tuning=False)
+_TINY_GLM4_MOE = dict(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], intermediate_size=512,
+                      moe_intermediate_size=64, n_routed_experts=32, n_shared_experts=1,
+                      num_experts_per_tok=4, first_k_dense_replace=1, n_group=1, topk_group=1,
+                      norm_topk_prob=True, routed_scaling_factor=2.5, partial_rotary_factor=0.5)
+_TINY_MINIMAX_M2 = dict(model_type="minimax_m2", architectures=["MiniMaxM2ForCausalLM"],
+                        intermediate_size=64, num_local_experts=32, num_experts_per_tok=4, rotary_dim=32,
+                        scoring_func="sigmoid", use_routing_bias=True)
+_TINY_ERNIE = dict(model_type="ernie4_5_moe", architectures=["Ernie4_5_MoeForCausalLM"],
+                   intermediate_size=512, moe_intermediate_size=64, moe_num_experts=32, moe_k=4,
+                   moe_num_shared_experts=1, moe_layer_start_index=1, use_bias=False)
+_TINY_QWEN3_NEXT = dict(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"],
+                        intermediate_size=512, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                        num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, full_attention_interval=2,
+                        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=128,
+                        linear_value_head_dim=128)
+# fmt: on
+
 FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("DeepSeek-V2/V3 (Kimi-K2)", ("DeepseekForCausalLM", "DeepseekV2ForCausalLM",
               "DeepseekV3ForCausalLM", "DeepseekV3BidirectionalModel"), FP32,
               _REF.format("deepseek_v3", _IN_FP32),
               drafts=("DeepSeekMTPModel", "EagleDeepSeekMTPModel"), tested=_CPU_GPU_BUILT,
-              model_types=("deepseek", "deepseek_v2", "deepseek_v3", "kimi_k2"), routing="deepseek"),
+              model_types=("deepseek", "deepseek_v2", "deepseek_v3", "kimi_k2"), routing="deepseek",
+              releases=_DEEPSEEK_RELEASES),
     MoeFamily("DeepSeek-V3.2 / GLM-5", ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"), FP32,
               _REF.format("deepseek_v3", _IN_FP32), drafts=("DeepseekV32MTPModel",),
               tested=_GPU_BUILT,
-              model_types=("deepseek_v32", "glm_moe_dsa"), routing="deepseek"),
+              model_types=("deepseek_v32", "glm_moe_dsa"), routing="deepseek", releases=_DSA_RELEASES),
     MoeFamily("GLM-4.5", ("Glm4MoeForCausalLM",), FP32, _REF.format("glm4_moe", _IN_FP32),
               drafts=("Glm4MoeMTPModel",), tested=_CPU_BUILT,
-              model_types=("glm4_moe",), routing="sigmoid_bias"),
+              model_types=("glm4_moe",), routing="sigmoid_bias",
+              releases=(Release("GLM-4.5", 5120, 160, _GLM4_5),),
+              tiny=("glm4-moe", _TINY_GLM4_MOE)),
     MoeFamily("GLM-4.7-Flash", ("Glm4MoeLiteForCausalLM",), FP32,
               _REF.format("glm4_moe_lite", _IN_FP32), drafts=("Glm4MoeLiteMTPModel",),
               model_types=("glm4_moe_lite",), routing="sigmoid_bias"),
     MoeFamily("MiniMax-M2", ("MiniMaxM2ForCausalLM",), FP32,
               _REF.format("minimax_m2", _IN_FP32_WEIGHT), tested=_GPU_BUILT,
-              model_types=("minimax_m2",), routing="sigmoid_bias"),
+              model_types=("minimax_m2",), routing="sigmoid_bias",
+              releases=(Release("MiniMax-M2", 3072, 256, _MINIMAX_M2),),
+              tiny=("minimax-m2", _TINY_MINIMAX_M2)),
     MoeFamily("ERNIE-4.5", ("Ernie4_5_MoeForCausalLM", "Ernie4_5_VLMoeForConditionalGeneration"), FP32,
               _REF.format("ernie4_5_moe", _IN_FP32 + ", gate.weight kept in fp32"), tested=_CPU_BUILT,
-              model_types=("ernie4_5_moe",), routing="softmax_bias"),
+              model_types=("ernie4_5_moe",), routing="softmax_bias",
+              releases=_ERNIE,
+              tiny=("ernie4.5-moe", _TINY_ERNIE)),
     MoeFamily("Hunyuan-V3", ("HYV3ForCausalLM",), FP32, _REF.format("hy_v3", _IN_FP32),
               drafts=("HYV3MTPModel",)),
     MoeFamily("EXAONE-MoE", ("ExaoneMoEForCausalLM", "ExaoneMoeForCausalLM"), FP32,
@@ -139,7 +250,7 @@ FAMILIES: tuple[MoeFamily, ...] = (
               "linear(x.float(), weight.float()); transformers deepseek_v4 computes in the model dtype",
               drafts=("DeepSeekV4MTPModel", "DSparkDraftModel", "DSparkV41DraftModel"),
               tested=_GPU_BUILT, bypassed_by=("mega_moe", "specialized_decode"),
-              model_types=("deepseek_v4",), routing="sqrtsoftplus_bias"),
+              model_types=("deepseek_v4",), routing="sqrtsoftplus_bias", releases=_V4_RELEASES),
     MoeFamily("Kimi-K3 / Kimi-Linear", ("KimiLinearForCausalLM", "KimiK3ForConditionalGeneration",
               "KimiK31ForConditionalGeneration"), FP32, _REF.format("kimi_linear", _IN_FP32),
               drafts=("KimiK3MTPModel", "K3DSparkModel"), model_types=("kimi_linear", "kimi_k3"),
@@ -169,10 +280,15 @@ FAMILIES: tuple[MoeFamily, ...] = (
               keys=RoutingKeys(score=None)),
     MoeFamily("Qwen3-MoE", ("Qwen3MoeForCausalLM", "Qwen3VLMoeForConditionalGeneration"), None,
               _REF.format("qwen3_moe", _IN_MODEL_DTYPE), tested=_CPU_GPU_BUILT,
-              model_types=("qwen3_moe", "qwen3_vl_moe_text"), routing="softmax_topk"),
+              model_types=("qwen3_moe", "qwen3_vl_moe_text"), routing="softmax_topk",
+              releases=(Release("Qwen3-235B-A22B", 4096, 128, _QWEN3),
+                        Release("Qwen3-30B-A3B", 2048, 128, _QWEN3)),
+              tiny=("qwen3-moe", _TINY_QWEN3)),
     MoeFamily("Qwen3-Next", ("Qwen3NextForCausalLM",), None, _REF.format("qwen3_next", _IN_MODEL_DTYPE),
               drafts=("Qwen3NextMTP",), tested=_CPU_GPU_BUILT,
-              model_types=("qwen3_next",), routing="softmax_topk"),
+              model_types=("qwen3_next",), routing="softmax_topk",
+              releases=(Release("Qwen3-Next-80B", 2048, 512, _QWEN3_NEXT),),
+              tiny=("qwen3-next", _TINY_QWEN3_NEXT)),
     MoeFamily("Qwen3.5-MoE", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"), None,
               _REF.format("qwen3_5_moe", _IN_MODEL_DTYPE), drafts=("Qwen3_5MoeMTP",)),
     MoeFamily("Qwen2-MoE", ("Qwen2MoeForCausalLM",), None, _REF.format("qwen2_moe", _IN_MODEL_DTYPE),
@@ -180,13 +296,22 @@ FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("gpt-oss", ("GptOssForCausalLM",), None,
               _REF.format("gpt_oss", "F.linear(hidden_states, weight, bias) in the model dtype"),
               tested=_CPU_GPU_BUILT,
-              model_types=("gpt_oss",), routing="softmax_topk_renorm"),
+              model_types=("gpt_oss",), routing="softmax_topk_renorm",
+              releases=(Release("gpt-oss-120b", 2880, 128, _GPT_OSS),
+                        Release("gpt-oss-20b", 2880, 32, _GPT_OSS)),
+              tiny=("gpt-oss", _TINY_GPT_OSS)),
     MoeFamily("Mixtral", ("MixtralForCausalLM",), None, _REF.format("mixtral", _IN_MODEL_DTYPE),
               tested=_CPU_BUILT,
-              model_types=("mixtral",), routing="softmax_topk_renorm"),
+              model_types=("mixtral",), routing="softmax_topk_renorm",
+              releases=(Release("Mixtral-8x7B", 4096, 8, _MIXTRAL),
+                        Release("Mixtral-8x22B", 6144, 8, _MIXTRAL)),
+              tiny=("mixtral", _TINY_MIXTRAL)),
     MoeFamily("Llama-4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"), None,
               _REF.format("llama4", _LINEAR), drafts=("EagleLlama4ForCausalLM",), tested=_CPU_BUILT,
-              model_types=("llama4_text",), routing="sigmoid_topk"),
+              model_types=("llama4_text",), routing="sigmoid_topk",
+              releases=(Release("Llama-4-Scout", 5120, 16, _LLAMA4),
+                        Release("Llama-4-Maverick", 5120, 128, _LLAMA4)),
+              tiny=("llama4", _TINY_LLAMA4)),
     MoeFamily("OLMoE", ("OlmoeForCausalLM",), None, _REF.format("olmoe", _IN_MODEL_DTYPE),
               model_types=("olmoe",), routing="softmax_topk"),
     MoeFamily("PhiMoE", ("PhiMoEForCausalLM",), None, _REF.format("phimoe", _LINEAR)),
@@ -240,6 +365,9 @@ _BY_ARCH: dict[str, MoeFamily] = {
     arch: family for family in FAMILIES for arch in family.architectures + family.drafts
 }
 DRAFTS: frozenset[str] = frozenset(a for f in FAMILIES for a in f.drafts)
+
+
+RELEASES: tuple[Release, ...] = tuple(r for f in FAMILIES for r in f.releases)
 
 
 def family_of(architecture: str | None) -> MoeFamily | None:

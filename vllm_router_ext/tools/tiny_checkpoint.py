@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from vllm_router_ext.families import FAMILIES, RELEASES
+
 TINY_V3 = dict(
     vocab_size=2048,
     hidden_size=256,
@@ -57,42 +59,13 @@ GPU_MLA_SIZES = {"qk_nope_head_dim": 128, "v_head_dim": 128}
 
 
 #: The routing of each DeepSeek-family release, as its config.json states it (expert count, group
-#: top-k, scoring, scaling), on the tiny body above. Dense layers, attention and sizes stay tiny.
+#: top-k, scoring, scaling; the family table's :class:`~vllm_router_ext.families.Release`), on the
+#: tiny body above. Dense layers, attention and sizes stay tiny.
 ROUTING_PRESETS: dict[str, dict] = {
-    "deepseek-v2": dict(
-        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", n_routed_experts=160,
-        num_experts_per_tok=6, n_group=8, topk_group=3, topk_method="group_limited_greedy",
-        scoring_func="softmax", routed_scaling_factor=16.0, norm_topk_prob=False, n_shared_experts=2,
-    ),
-    "deepseek-v2-lite": dict(
-        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", n_routed_experts=64,
-        num_experts_per_tok=6, n_group=1, topk_group=1, topk_method="greedy", scoring_func="softmax",
-        routed_scaling_factor=1.0, norm_topk_prob=False, n_shared_experts=2,
-    ),
-    "deepseek-v3": dict(
-        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", n_routed_experts=256,
-        num_experts_per_tok=8, n_group=8, topk_group=4, topk_method="noaux_tc", scoring_func="sigmoid",
-        routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1,
-    ),
-    "kimi-k2": dict(
-        architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2", n_routed_experts=384,
-        num_experts_per_tok=8, n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",
-        routed_scaling_factor=2.827, norm_topk_prob=True, n_shared_experts=1,
-    ),
-    # The two DSA models: DeepSeek-V3's routing (V3.2) or GLM-5's, plus the sparse-attention indexer.
-    "deepseek-v3.2": dict(
-        architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", n_routed_experts=256,
-        num_experts_per_tok=8, n_group=8, topk_group=4, topk_method="noaux_tc", scoring_func="sigmoid",
-        routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1,
-        index_n_heads=4, index_head_dim=128, index_topk=64,
-    ),
-    "glm-5": dict(
-        architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", n_routed_experts=256,
-        num_experts_per_tok=8, n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",
-        routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1,
-        index_n_heads=4, index_head_dim=128, index_topk=64,
-    ),
-}  # fmt: skip
+    r.name.lower(): dict(architectures=[r.architecture], n_routed_experts=r.experts, **r.config, **r.tiny)
+    for r in RELEASES
+    if r.tiny is not None
+}
 
 
 def _config_dict(arch: str, overrides: dict) -> dict:
@@ -369,33 +342,7 @@ _TINY_BODY = dict(
 #: Other MoE families, each as its Hugging Face config (``model_type``, architecture) with the
 #: release's routing options on a tiny body; transformers writes the weights under its own names,
 #: which are what vLLM loads.
-FAMILY_PRESETS: dict[str, dict] = {
-    "qwen3-moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], intermediate_size=512,
-                      moe_intermediate_size=64, num_experts=32, num_experts_per_tok=4, norm_topk_prob=True),
-    "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], intermediate_size=128,
-                    num_local_experts=8, num_experts_per_tok=2),
-    "gpt-oss": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], intermediate_size=128,
-                    num_local_experts=8, num_experts_per_tok=2, sliding_window=128,
-                    layer_types=["sliding_attention", "full_attention"]),
-    "llama4": dict(model_type="llama4_text", architectures=["Llama4ForCausalLM"], intermediate_size=128,
-                   intermediate_size_mlp=256, num_local_experts=8, num_experts_per_tok=1,
-                   interleave_moe_layer_step=1, no_rope_layers=[1, 1], attn_temperature_tuning=False),
-    "glm4-moe": dict(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], intermediate_size=512,
-                     moe_intermediate_size=64, n_routed_experts=32, n_shared_experts=1, num_experts_per_tok=4,
-                     first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
-                     routed_scaling_factor=2.5, partial_rotary_factor=0.5),
-    "minimax-m2": dict(model_type="minimax_m2", architectures=["MiniMaxM2ForCausalLM"], intermediate_size=64,
-                       num_local_experts=32, num_experts_per_tok=4, rotary_dim=32, scoring_func="sigmoid",
-                       use_routing_bias=True),
-    "ernie4.5-moe": dict(model_type="ernie4_5_moe", architectures=["Ernie4_5_MoeForCausalLM"],
-                         intermediate_size=512, moe_intermediate_size=64, moe_num_experts=32, moe_k=4,
-                         moe_num_shared_experts=1, moe_layer_start_index=1, use_bias=False),
-    "qwen3-next": dict(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], intermediate_size=512,
-                       moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=32,
-                       num_experts_per_tok=4, norm_topk_prob=True, full_attention_interval=2,
-                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=128,
-                       linear_value_head_dim=128),
-}  # fmt: skip
+FAMILY_PRESETS: dict[str, dict] = {f.tiny[0]: f.tiny[1] for f in FAMILIES if f.tiny is not None}
 
 
 #: DeepSeek-V4's routing (V4-Flash: hidden 4096, 256 experts) on a tiny body: sqrtsoftplus scores
