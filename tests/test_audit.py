@@ -437,6 +437,11 @@ NEW_FAMILY_CHECKPOINTS = {
     "glm5-next": ({"model_type": "glm5_next", "architectures": ["Glm5NextForCausalLM"], "hidden_size": 256,
                    "n_routed_experts": 32, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2},
                   "model.layers.{}.mlp", "gate", "gate.e_score_correction_bias"),
+    "muse-spark": ({"model_type": "muse_spark", "architectures": ["MuseSparkForConditionalGeneration"],
+                    "text_config": {"model_type": "muse_spark_text", "hidden_size": 256,
+                                    "num_local_experts": 32, "num_experts_per_tok": 4,
+                                    "output_multiplier": 0.1767766952966369}},
+                   "model.language_model.layers.{}.mlp", "gate", "gate.e_score_correction_bias"),
     "beam": ({"model_type": "beam", "architectures": ["BeamForCausalLM"], "hidden_size": 256,
               "n_routed_experts": 32, "num_experts_per_tok": 4},
              "model.layers.{}.mlp", "gate", "gate.e_score_correction_bias"),
@@ -471,6 +476,14 @@ def test_the_audit_routes_each_new_family_from_its_checkpoint(tmp_path, family):
     o = result["overall"]
     assert o["fp32"]["rel_err"] <= 1e-6 and o["fp32"]["changed_pct"] == 0.0
     assert 1e-4 <= o["bf16"]["rel_err"] <= 1e-2
+    if family == "muse-spark":  # the logits' scale is folded into the fp32 weight, as vLLM loads it
+        from vllm_router_ext.audit import load_gate, open_checkpoint
+        from vllm_router_ext.ops.routing_fp64 import RoutingConfig
+
+        ckpt = open_checkpoint(tmp_path)
+        gate = load_gate(ckpt, 1, RoutingConfig.from_hf_config(config))
+        folded = tensors[f"{block.format(1)}.{router}.weight"].float() * 0.1767766952966369
+        assert gate.weight.dtype == torch.float32 and torch.equal(gate.weight, folded)
     del tensors[f"{block.format(2)}.{bias_name}"]  # a missing bias is named, not skipped
     save_file(tensors, str(tmp_path / "model.safetensors"))
     missing = rf"layer 2: no e_score_correction_bias .*{bias_name.split('.')[-1]}"

@@ -160,6 +160,9 @@ def load_gate(ckpt: Checkpoint, layer: int, routing: RoutingConfig) -> Gate:
         )
     if tuple(w.shape) != (n, k):
         raise AuditError(f"layer {layer}: router weight has shape {tuple(w.shape)}, config says [{n}, {k}]")
+    model_keys = ROUTING_KEYS.get(cfg.get("model_type", ckpt.config.get("model_type")))
+    if model_keys is not None and model_keys.weight_scale in cfg:  # as vLLM folds it in at load
+        w = w.float() * float(cfg[model_keys.weight_scale])
     correction = None
     # DeepSeek-V4 stores its correction bias as the gate's ``bias`` (its gate has no linear bias)
     model_type = cfg.get("model_type", ckpt.config.get("model_type"))

@@ -57,6 +57,9 @@ class RoutingKeys:
     bias_if: tuple[str, object] = ("use_routing_bias", True)
     #: Where the bias sits, relative to the MoE block (``{gate}``: the router's own name).
     bias: tuple[str, ...] = ("{gate}.e_score_correction_bias", "e_score_correction_bias")
+    #: A config key whose value vLLM multiplies into the gate weight as it loads it (the logits'
+    #: scale: Muse-Spark's ``output_multiplier``); None: none.
+    weight_scale: str | None = None
 
 
 @dataclass(frozen=True)
@@ -349,8 +352,12 @@ FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("Flint", ("FlintForCausalLM",), None, _NO_REFERENCE.format("a model-dtype"),
               bypassed_by=("flint_kernels",)),
     MoeFamily("Muse-Spark", ("MuseSparkForConditionalGeneration",), None,
-              _NO_REFERENCE.format("a gate in the checkpoint's router dtype"),
-              drafts=("MuseSparkDSparkModel",)),
+              _REF.format("muse_spark", _IN_FP32 + " x output_multiplier; vLLM's port already holds "
+                          "the router in fp32 (fp32 weight, the multiplier folded in, fp32 logits)"),
+              drafts=("MuseSparkDSparkModel",), model_types=("muse_spark", "muse_spark_text"),
+              routing="sigmoid_bias",
+              keys=RoutingKeys(renormalize=None, groups=None, score=None, weight_scale="output_multiplier",
+                               bias=("{gate}.e_score_correction_bias", "expert_bias"))),
     MoeFamily("dots.3-note", ("Dots3NoteForCausalLM",), None,
               _NO_REFERENCE.format("DeepSeek-V3.2's MoE block with a model-dtype"),
               drafts=("Dots3NoteMTPModel",)),
