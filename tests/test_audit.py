@@ -357,6 +357,48 @@ def test_each_routing_picks_what_the_familys_own_formula_picks():
     chosen = (probs + bias).topk(4, -1).indices  # ERNIE-4.5: softmax scores + bias choose
     w = probs.gather(1, chosen)
     check({"model_type": "ernie4_5_moe", "moe_k": 4}, chosen, w / w.sum(-1, keepdim=True), bias)
+    top = logits.sigmoid().topk(6, -1)  # Flint: its score function, top-k, renormalised or not
+    flint = {"model_type": "flint", "num_experts_per_tok": 6}
+    check(flint, top.indices, top.values / top.values.sum(-1, keepdim=True))
+    check({**flint, "norm_topk_prob": False}, top.indices, top.values)
+    top = probs.topk(6, -1)
+    check(
+        {**flint, "router_score_function": "softmax"},
+        top.indices,
+        top.values / top.values.sum(-1, keepdim=True),
+    )
+
+
+def test_the_audit_routes_flint_from_its_checkpoint(tmp_path):
+    """Flint's ``mlp.gate`` in every MoE layer, routed by its config's score function (sigmoid or
+    softmax) and ``norm_topk_prob``, no bias: fp32 at fp64's choice on every token, bf16 not."""
+    from safetensors.torch import save_file
+
+    from vllm_router_ext.families import family_of
+
+    config = {"model_type": "flint", "architectures": ["FlintForCausalLM"], "hidden_size": 256,
+              "num_experts": 32, "num_experts_per_tok": 6, "router_score_function": "softmax"}  # fmt: skip
+    assert family_of("FlintForCausalLM").routing == "scored_topk"
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    tensors = {
+        f"model.layers.{i}.mlp.gate.weight": (torch.randn(32, 256, generator=g) / 16).bfloat16()
+        for i in (0, 1)
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    for score in ("softmax", "sigmoid"):
+        (tmp_path / "config.json").write_text(json.dumps({**config, "router_score_function": score}))
+        result = run_audit(tmp_path, tokens=256, progress=False)
+        assert [int(i) for i in result["layers"]] == [0, 1]
+        r = result["routing"]
+        assert (r["top_k"], r["scoring_func"], r["topk_method"], r["renormalize"]) == (
+            6,
+            score,
+            "greedy",
+            True,
+        )
+        o = result["overall"]
+        assert o["fp32"]["rel_err"] <= 1e-6 and o["fp32"]["changed_pct"] == 0.0
+        assert 1e-4 <= o["bf16"]["rel_err"] <= 1e-2
 
 
 def test_each_new_familys_config_keys_route_as_vllm_reads_them():

@@ -26,6 +26,8 @@ ROUTINGS = {
     "softmax_bias": "softmax scores + correction bias choose, renormalised",
     "sigmoid_topk": "sigmoid of the top-k logits, not renormalised",
     "sqrtsoftplus_bias": "sqrt(softplus) scores + correction bias, renormalised; hash layers first",
+    "scored_topk": "the config's score function (sigmoid or softmax), top-k on the scores, renormalised "
+    "where the config says; no bias, no groups",
 }
 #: Routing paths that read the gate's weight in their own kernels and never call the gate: where
 #: one is on, a precision of ours cannot apply there (what turns it on, what it does).
@@ -46,7 +48,8 @@ TESTED = ("CPU build", "GPU", "construction")
 class RoutingKeys:
     """Where a ``sigmoid_bias`` family's config keeps its routing (DeepSeek-V3's noaux_tc: sigmoid
     + correction bias choose, grouped or not) and where its checkpoint keeps the bias, as vLLM
-    reads them. A key of None: the fixed value vLLM uses there."""
+    reads them (a ``scored_topk`` family: its score function and renormalisation). A key of None:
+    the fixed value vLLM uses there."""
 
     renormalize: str | None = "norm_topk_prob"  # None: always renormalised; missing key: True
     groups: tuple[str, str] | None = ("n_group", "topk_group")  # None: one group; missing: one
@@ -350,7 +353,8 @@ FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("Qwen4-Exp", ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration"), None,
               _REF.format("qwen4_exp", _IN_MODEL_DTYPE), drafts=("Qwen4ExpMTP",)),
     MoeFamily("Flint", ("FlintForCausalLM",), None, _NO_REFERENCE.format("a model-dtype"),
-              bypassed_by=("flint_kernels",)),
+              bypassed_by=("flint_kernels",), model_types=("flint",), routing="scored_topk",
+              keys=RoutingKeys(score="router_score_function")),
     MoeFamily("Muse-Spark", ("MuseSparkForConditionalGeneration",), None,
               _REF.format("muse_spark", _IN_FP32 + " x output_multiplier; vLLM's port already holds "
                           "the router in fp32 (fp32 weight, the multiplier folded in, fp32 logits)"),

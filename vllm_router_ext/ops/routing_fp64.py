@@ -47,14 +47,18 @@ SOFTMAX_TOP_K = {t: False for t in _model_types("softmax_topk")} | {
 SIGMOID_BIAS = _model_types("sigmoid_bias")
 SOFTMAX_BIAS = _model_types("softmax_bias")  # softmax scores + correction bias choose, renormalised
 SIGMOID_TOP_K = _model_types("sigmoid_topk")  # sigmoid of the top-k logits, no renormalisation
+SCORED_TOP_K = _model_types("scored_topk")  # the config's score function, top-k, renormalised or not
 SQRTSOFTPLUS_BIAS = _model_types("sqrtsoftplus_bias")  # sqrt(softplus) + correction bias; hash layers
 DEEPSEEK_MODEL_TYPES = _model_types("deepseek")
 ROUTED_MODEL_TYPES = _model_types(*ROUTINGS)
 SCORING_FUNCS = ("sigmoid", "softmax", "sqrtsoftplus")
 _EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "num_experts_per_token", "moe_top_k")
-#: Each ``sigmoid_bias`` model type's config keys (the family table's :class:`RoutingKeys`).
-ROUTING_KEYS = {t: f.keys for f in FAMILIES if f.routing == "sigmoid_bias" for t in f.model_types}
+#: Each ``sigmoid_bias`` or ``scored_topk`` model type's config keys (the family table's
+#: :class:`RoutingKeys`).
+ROUTING_KEYS = {
+    t: f.keys for f in FAMILIES if f.routing in ("sigmoid_bias", "scored_topk") for t in f.model_types
+}
 
 
 def routing_fields(cfg: dict) -> dict:
@@ -107,6 +111,10 @@ class RoutingConfig:
             return cls(top_k, topk_method="noaux_tc", renormalize=True)
         if model_type in SIGMOID_TOP_K:
             return cls(top_k, scoring_func="sigmoid")
+        if model_type in SCORED_TOP_K:
+            keys = ROUTING_KEYS[model_type]
+            score = cfg.get(keys.score, "sigmoid") if keys.score else "sigmoid"
+            return cls(top_k, scoring_func=score, renormalize=bool(cfg.get(keys.renormalize, True)))
         if model_type in SQRTSOFTPLUS_BIAS:
             return cls(
                 top_k,
