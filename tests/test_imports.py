@@ -80,3 +80,22 @@ def test_the_kernel_library_stands_alone():
     }
     assert not upward, sorted(upward)
     assert {"csrc_triton.problem", "csrc_triton.choice", "csrc_triton.dispatch"} <= graph.keys()
+
+
+def test_the_kernel_library_imports_without_the_plugin_or_vllm():
+    """In a fresh interpreter, the library's entry points load no module of the plugin or vLLM,
+    and choose a launch for a problem (the import graph above is read from the source; this runs it)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from csrc_triton import choice, dispatch\n"
+        "from csrc_triton.problem import Precision, Problem\n"
+        "launch = choice.choose(Problem(8, 7168, 256, Precision.FP32))\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'vllm_router_ext'))\n"
+        "print(launch.kernel, loaded)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    kernel, loaded = out.stdout.strip().split(" ", 1)
+    assert kernel in ("gemv", "splitk") and loaded == "[]", out.stdout
