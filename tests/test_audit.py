@@ -484,6 +484,17 @@ NEW_FAMILY_CHECKPOINTS = {
                                     "num_local_experts": 32, "num_experts_per_tok": 4,
                                     "output_multiplier": 0.1767766952966369}},
                    "model.language_model.layers.{}.mlp", "gate", "gate.e_score_correction_bias"),
+    "hy-v3": ({"model_type": "hy_v3", "architectures": ["HYV3ForCausalLM"], "hidden_size": 256,
+               "num_experts": 32, "num_experts_per_tok": 4, "route_norm": True, "router_scaling_factor": 2.0},
+              "model.layers.{}.mlp", "gate", "expert_bias"),
+    "exaone-moe": ({"model_type": "exaone_moe", "architectures": ["ExaoneMoEForCausalLM"], "hidden_size": 256,
+                    "num_experts": 32, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+                    "norm_topk_prob": True, "routed_scaling_factor": 2.5},
+                   "model.layers.{}.mlp", "gate", "e_score_correction_bias"),
+    "mimo-v2": ({"model_type": "mimo_v2_flash", "architectures": ["MiMoV2FlashForCausalLM"],
+                 "hidden_size": 256, "n_routed_experts": 32, "num_experts_per_tok": 4, "n_group": 4,
+                 "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5},
+                "model.layers.{}.mlp", "gate", "gate.e_score_correction_bias"),
     "beam": ({"model_type": "beam", "architectures": ["BeamForCausalLM"], "hidden_size": 256,
               "n_routed_experts": 32, "num_experts_per_tok": 4},
              "model.layers.{}.mlp", "gate", "gate.e_score_correction_bias"),
@@ -514,7 +525,11 @@ def test_the_audit_routes_each_new_family_from_its_checkpoint(tmp_path, family):
     assert [int(i) for i in result["layers"]] == [1, 2]
     r = result["routing"]
     assert (r["top_k"], r["topk_method"], r["scoring_func"]) == (4, "noaux_tc", "sigmoid")
-    assert r["n_group"] == (4 if family in ("kimi-k3", "glm5-next") else 1)
+    assert r["n_group"] == (4 if family in ("kimi-k3", "glm5-next", "exaone-moe", "mimo-v2") else 1)
+    # the weights' scale as vLLM applies it (MiMo-V2: none; Hunyuan-V3: its router_scaling_factor)
+    scale = {"hy-v3": 2.0, "exaone-moe": 2.5, "mimo-v2": 1.0}
+    if family in scale:
+        assert r["routed_scaling_factor"] == scale[family] and r["renormalize"]
     o = result["overall"]
     assert o["fp32"]["rel_err"] <= 1e-6 and o["fp32"]["changed_pct"] == 0.0
     assert 1e-4 <= o["bf16"]["rel_err"] <= 1e-2

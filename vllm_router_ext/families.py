@@ -54,7 +54,7 @@ class RoutingKeys:
     renormalize: str | None = "norm_topk_prob"  # None: always renormalised; missing key: True
     groups: tuple[str, str] | None = ("n_group", "topk_group")  # None: one group; missing: one
     grouped: str | None = None  # a flag that turns the groups on (missing: on)
-    scale: str = "routed_scaling_factor"  # missing: 1.0
+    scale: str | None = "routed_scaling_factor"  # None: vLLM scales by 1.0; missing key: 1.0
     score: str | None = "scoring_func"  # None: sigmoid; missing key: sigmoid
     #: The config key and the value (also its default) under which the correction bias is used.
     bias_if: tuple[str, object] = ("use_routing_bias", True)
@@ -234,15 +234,20 @@ FAMILIES: tuple[MoeFamily, ...] = (
               releases=_ERNIE,
               tiny=("ernie4.5-moe", _TINY_ERNIE)),
     MoeFamily("Hunyuan-V3", ("HYV3ForCausalLM",), FP32, _REF.format("hy_v3", _IN_FP32),
-              drafts=("HYV3MTPModel",)),
+              drafts=("HYV3MTPModel",), model_types=("hy_v3",), routing="sigmoid_bias",
+              keys=RoutingKeys(renormalize="route_norm", groups=None, scale="router_scaling_factor",
+                               score=None, bias=("expert_bias", "e_score_correction_bias"))),
     MoeFamily("EXAONE-MoE", ("ExaoneMoEForCausalLM", "ExaoneMoeForCausalLM"), FP32,
-              _REF.format("exaone_moe", _IN_FP32), drafts=("ExaoneMoeMTP",)),
+              _REF.format("exaone_moe", _IN_FP32), drafts=("ExaoneMoeMTP",), model_types=("exaone_moe",),
+              routing="sigmoid_bias", keys=RoutingKeys(score=None)),
     MoeFamily("Nemotron-H", ("NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"), FP32,
               _REF.format("nemotron_h", _IN_FP32), drafts=("NemotronHMTPModel",)),
     MoeFamily("LongCat-Flash", ("LongcatFlashForCausalLM",), FP32, _REF.format("longcat_flash", _IN_FP32),
               drafts=("LongCatFlashMTPModel",)),
     MoeFamily("MiMo-V2", ("MiMoV2ForCausalLM", "MiMoV2FlashForCausalLM"), FP32,
-              _REF.format("mimo_v2_flash", _IN_FP32), drafts=("MiMoV2MTPModel",)),
+              _REF.format("mimo_v2_flash", _IN_FP32), drafts=("MiMoV2MTPModel",),
+              model_types=("mimo_v2_flash",), routing="sigmoid_bias",
+              keys=RoutingKeys(scale=None, score=None)),
     MoeFamily("A.X K1", ("AXK1ForCausalLM",), FP32, _REF.format("axk1", _IN_FP32)),
     MoeFamily("Bailing / Ling", ("BailingMoeForCausalLM", "BailingMoeV2ForCausalLM",
               "BailingMoeV2_5ForCausalLM", "BailingMoeV3ForCausalLM"), FP32, _NO_REFERENCE.format("an fp32")),

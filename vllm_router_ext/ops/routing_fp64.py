@@ -155,7 +155,7 @@ class RoutingConfig:
             scoring_func=cfg.get(keys.score, "sigmoid") if keys.score else "sigmoid",
             topk_method=method,
             renormalize=bool(cfg.get(keys.renormalize, True)) if keys.renormalize else True,
-            routed_scaling_factor=float(cfg.get(keys.scale, 1.0)),
+            routed_scaling_factor=float(cfg.get(keys.scale, 1.0)) if keys.scale else 1.0,
         )
 
 
