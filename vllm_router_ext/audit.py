@@ -47,10 +47,12 @@ from vllm_router_ext.plotting import PLOT_MISSING, pyplot
 #: ``...block_sparse_moe.gate``, gpt-oss's ``...mlp.router``, Llama-4's ``...feed_forward.router``,
 #: a multimodal checkpoint's ``model.language_model.layers.N...`` or ``language_model.[model.]layers.N...``,
 #: DeepSeek-V4's ``layers.N.ffn.gate``,
-#: Step-5's ``...moe.gate``, Hunyuan-V4's ``...mlp.router.gate``).
+#: Step-5's ``...moe.gate``, Hunyuan-V4's ``...mlp.router.gate``, Nemotron-H's
+#: ``backbone.layers.N.mixer.gate``).
 GATE_RE = re.compile(
-    r"^(?:model\.|model\.language_model\.|language_model\.model\.|language_model\.)?layers\.(\d+)\."
-    r"(mlp|block_sparse_moe|feed_forward|ffn|moe)\.(gate|router|router\.gate)\.weight$"
+    r"^(?:model\.|model\.language_model\.|language_model\.model\.|language_model\.|backbone\.)?"
+    r"layers\.(\d+)\."
+    r"(mlp|block_sparse_moe|feed_forward|ffn|moe|mixer)\.(gate|router|router\.gate)\.weight$"
 )
 #: Where a family keeps ``e_score_correction_bias``, relative to the MoE block (ERNIE-4.5's
 #: ``moe_statics`` holds it as [1, experts]).

@@ -175,6 +175,11 @@ _GPT_OSS = dict(model_type="gpt_oss", num_experts_per_tok=4)
 _MIXTRAL = dict(model_type="mixtral", num_experts_per_tok=2)
 _LLAMA4 = dict(model_type="llama4_text", num_experts_per_tok=1)
 
+#: StepFun's routing keys (Step-3.5, Step-5): its own names for DeepSeek-V3's noaux_tc on one group.
+_STEP_KEYS = RoutingKeys(renormalize="norm_expert_weight", groups=None, scale="moe_router_scaling_factor",
+                         score="moe_router_activation", bias_if=("use_moe_router_bias", True),
+                         bias=("router_bias",))
+
 # --- tiny checkpoints of the other families (a tiny body; the tests' sizes, the routing's keys)
 
 _TINY_QWEN3 = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], intermediate_size=512,
@@ -241,7 +246,8 @@ FAMILIES: tuple[MoeFamily, ...] = (
               _REF.format("exaone_moe", _IN_FP32), drafts=("ExaoneMoeMTP",), model_types=("exaone_moe",),
               routing="sigmoid_bias", keys=RoutingKeys(score=None)),
     MoeFamily("Nemotron-H", ("NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"), FP32,
-              _REF.format("nemotron_h", _IN_FP32), drafts=("NemotronHMTPModel",)),
+              _REF.format("nemotron_h", _IN_FP32), drafts=("NemotronHMTPModel",), model_types=("nemotron_h",),
+              routing="sigmoid_bias", keys=RoutingKeys(score=None)),
     MoeFamily("LongCat-Flash", ("LongcatFlashForCausalLM",), FP32, _REF.format("longcat_flash", _IN_FP32),
               drafts=("LongCatFlashMTPModel",)),
     MoeFamily("MiMo-V2", ("MiMoV2ForCausalLM", "MiMoV2FlashForCausalLM"), FP32,
@@ -252,7 +258,7 @@ FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("Bailing / Ling", ("BailingMoeForCausalLM", "BailingMoeV2ForCausalLM",
               "BailingMoeV2_5ForCausalLM", "BailingMoeV3ForCausalLM"), FP32, _NO_REFERENCE.format("an fp32")),
     MoeFamily("Step-3.5", ("Step3p5ForCausalLM",), FP32, _NO_REFERENCE.format("an fp32"),
-              drafts=("Step3p5MTP",)),
+              drafts=("Step3p5MTP",), model_types=("step3p5",), routing="sigmoid_bias", keys=_STEP_KEYS),
     MoeFamily("Param2-MoE", ("Param2MoEForCausalLM",), FP32, _NO_REFERENCE.format("an fp32")),
     MoeFamily("AFMoE (Trinity)", ("AfmoeForCausalLM",), FP32, _NO_REFERENCE.format("an fp32")),
     MoeFamily("DeepSeek-V4", ("DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration",
@@ -283,9 +289,7 @@ FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("Step-5", ("Step5ForCausalLM", "Step5ForConditionalGeneration"), FP32,
               _NO_REFERENCE.format("an fp32"), drafts=("Step5MTP",), model_types=("step5", "step5_vl"),
               routing="sigmoid_bias",
-              keys=RoutingKeys(renormalize="norm_expert_weight", groups=None,
-                               scale="moe_router_scaling_factor", score="moe_router_activation",
-                               bias_if=("use_moe_router_bias", True), bias=("router_bias",))),
+              keys=_STEP_KEYS),
     MoeFamily("Beam", ("BeamForCausalLM",), FP32, _NO_REFERENCE.format("an fp32"),
               drafts=("DFlash2BeamDraftModel",), model_types=("beam",), routing="sigmoid_bias",
               keys=RoutingKeys(score=None)),
