@@ -200,7 +200,9 @@ def test_a_gate_linear_subclass_is_ours_too(vllm_dist, gen):
         x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
         out, _ = gate(x)
         ref = x.double() @ w.double().T
-        assert out.dtype == torch.float32 and torch.allclose(out.double(), ref, rtol=1e-6, atol=1e-6)
+        # fp32 sums of 64 exact products: error within 64 units of fp32 rounding of the terms' size
+        size = x.double().abs() @ w.double().abs().T
+        assert out.dtype == torch.float32 and bool(((out.double() - ref).abs() <= 64 * 2**-24 * size).all())
     finally:
         op_registry_oot.pop("FamilyGate", None)
 
