@@ -162,20 +162,20 @@ def load_gate(ckpt: Checkpoint, layer: int, routing: RoutingConfig) -> Gate:
         )
     if tuple(w.shape) != (n, k):
         raise AuditError(f"layer {layer}: router weight has shape {tuple(w.shape)}, config says [{n}, {k}]")
-    model_keys = ROUTING_KEYS.get(cfg.get("model_type", ckpt.config.get("model_type")))
+    model_type = cfg.get("model_type", ckpt.config.get("model_type"))
+    model_keys = ROUTING_KEYS.get(model_type)
     if model_keys is not None and model_keys.weight_scale in cfg:  # as vLLM folds it in at load
         w = w.float() * float(cfg[model_keys.weight_scale])
     correction = None
     # DeepSeek-V4 stores its correction bias as the gate's ``bias`` (its gate has no linear bias)
-    model_type = cfg.get("model_type", ckpt.config.get("model_type"))
     bias_is_correction = model_type in SQRTSOFTPLUS_BIAS
     if routing.uses_correction_bias:
         block, gate = name.rsplit(".", 1)
         if block.endswith(".router"):  # Hunyuan-V4's mlp.router.gate: its bias sits beside mlp.gate
             block = block[: -len(".router")]
         patterns = ("{gate}.bias",) if bias_is_correction else CORRECTION_BIAS_NAMES
-        if model_type in ROUTING_KEYS:
-            patterns = tuple(dict.fromkeys(ROUTING_KEYS[model_type].bias + CORRECTION_BIAS_NAMES))
+        if model_keys is not None:
+            patterns = tuple(dict.fromkeys(model_keys.bias + CORRECTION_BIAS_NAMES))
         names = [f"{block}.{pattern.format(gate=gate)}" for pattern in patterns]
         found = next((x for x in names if x in ckpt.weight_map), None)
         if found is None:
