@@ -12,8 +12,9 @@ from collections.abc import Callable
 import torch
 
 from csrc_triton import choice
-from csrc_triton.launches import CublasLaunch, Fp32WeightTermsLaunch, KernelLaunch, describe
+from csrc_triton.launches import CublasLaunch, Fp32WeightTermsLaunch, GemvLaunch, KernelLaunch, describe
 from csrc_triton.problem import Precision, Problem
+from csrc_triton.routing import Routing, route_logits
 
 # Under "vllm." so that, inside vLLM, its handlers and format apply (no vLLM import here).
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -42,6 +43,39 @@ def router_gemm_cuda(
     if isinstance(launch, Fp32WeightTermsLaunch):
         return _by_terms(launch, x, weight_terms.contiguous(), out)
     return _run_fitting(launch, problem, x, weight, out)
+
+
+def route_cuda(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    precision: Precision,
+    routing: Routing,
+    bias: torch.Tensor | None,
+    batch_invariant: bool,
+    weight_terms: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each token's experts (``weights`` [M, top_k] fp32, ``ids`` [M, top_k] int32) and the router
+    logits they come from. Where the choice runs the GEMV (decode) and the logits are fp32, one
+    fused launch (``router_route_gemv``); otherwise :func:`router_gemm_cuda`, then the routing
+    kernel (``routing.route_logits``). Both route the same logits identically."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    m = x.shape[0]
+    weights = torch.empty((m, routing.top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((m, routing.top_k), dtype=torch.int32, device=x.device)
+    problem = Problem.of(x, weight, precision, batch_invariant, weight_terms is not None)
+    launch = choice.choose(problem) if m else None
+    if isinstance(launch, GemvLaunch) and problem.logits_dtype == torch.float32:
+        from csrc_triton.router_route_gemv import route_gemv_launch
+
+        logits = torch.empty((m, problem.n), dtype=torch.float32, device=x.device)
+        route_gemv_launch(x, weight, routing, bias, logits, weights, ids, launch)
+        return weights, ids, logits
+    logits = router_gemm_cuda(x, weight, precision, batch_invariant, weight_terms)
+    route_logits(logits, routing, bias, weights, ids)
+    return weights, ids, logits
 
 
 def _by_terms(

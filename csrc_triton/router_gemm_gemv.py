@@ -36,6 +36,32 @@ def _add_chunk(acc, x_rows, w_rows, x_mask, w_mask, k0, K, BLOCK_K: tl.constexpr
 
 
 @triton.jit
+def gemv_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_m, pid_n, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
+              COPY_STAGES: tl.constexpr):  # fmt: skip
+    """The fp32 logits [BLOCK_M, BLOCK_N] of token block ``pid_m`` and expert block ``pid_n``, with
+    their row and column offsets."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # 3-D pointers ([M, 1, K] and [1, N, K]): both loads get the same layout as the accumulator
+    # (8 consecutive K per thread, threads and warps along K), so nothing is shuffled between
+    # layouts through shared memory inside the loop.
+    x_rows = x_ptr + offs_m[:, None, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n[None, :, None].to(tl.int64) * stride_wn
+    x_mask = (offs_m < M)[:, None, None]
+    w_mask = (offs_n < N)[None, :, None]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if COPY_STAGES == 0:
+        for c in tl.static_range(CHUNKS):  # unrolled: all loads can be in flight at once
+            acc = _add_chunk(acc, x_rows, w_rows, x_mask, w_mask, c * BLOCK_K, K, BLOCK_K)
+    else:  # the same chunks in the same order, COPY_STAGES - 1 of them ahead through shared memory
+        for c in tl.range(0, CHUNKS, num_stages=COPY_STAGES):
+            acc = _add_chunk(acc, x_rows, w_rows, x_mask, w_mask, c * BLOCK_K, K, BLOCK_K)
+    return tl.sum(acc, axis=2), offs_m, offs_n
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -53,30 +79,11 @@ def _gemv_kernel(
     COPY_STAGES: tl.constexpr,
 ):
     # Token blocks vary fastest: programs that read the same weight rows run side by side.
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    # 3-D pointers ([M, 1, K] and [1, N, K]): both loads get the same layout as the accumulator
-    # (8 consecutive K per thread, threads and warps along K), so nothing is shuffled between
-    # layouts through shared memory inside the loop.
-    x_rows = x_ptr + offs_m[:, None, None].to(tl.int64) * stride_xm
-    w_rows = w_ptr + offs_n[None, :, None].to(tl.int64) * stride_wn
-    x_mask = mask_m[:, None, None]
-    w_mask = mask_n[None, :, None]
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if COPY_STAGES == 0:
-        for c in tl.static_range(CHUNKS):  # unrolled: all loads can be in flight at once
-            acc = _add_chunk(acc, x_rows, w_rows, x_mask, w_mask, c * BLOCK_K, K, BLOCK_K)
-    else:  # the same chunks in the same order, COPY_STAGES - 1 of them ahead through shared memory
-        for c in tl.range(0, CHUNKS, num_stages=COPY_STAGES):
-            acc = _add_chunk(acc, x_rows, w_rows, x_mask, w_mask, c * BLOCK_K, K, BLOCK_K)
-    logits = tl.sum(acc, axis=2)
+    logits, offs_m, offs_n = gemv_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, tl.program_id(0),
+                                       tl.program_id(1), BLOCK_M, BLOCK_N, BLOCK_K, CHUNKS,
+                                       COPY_STAGES)  # fmt: skip
     o = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(o, logits.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(o, logits.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
 def gemv_block_k(x: torch.Tensor, w: torch.Tensor, num_warps: int) -> int:

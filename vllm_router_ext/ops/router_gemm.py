@@ -17,7 +17,7 @@ from vllm_router_ext.ops.router_gemm_torch import router_gemm_torch
 from vllm_router_ext.precision import RouterPrecision
 
 #: The op's precision value -> the kernel library's (a dict lookup on every call).
-_KERNEL_PRECISION: dict[str, Precision] = {p.value: p for p in Precision}
+KERNEL_PRECISION: dict[str, Precision] = {p.value: p for p in Precision}
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DTYPE_NAMES = "bfloat16, float16, float32"
 
@@ -106,7 +106,7 @@ def _router_gemm_cuda(
     batch_invariant: bool,
     weight_terms: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return router_gemm_cuda(x, weight, _KERNEL_PRECISION[precision], batch_invariant, weight_terms)
+    return router_gemm_cuda(x, weight, KERNEL_PRECISION[precision], batch_invariant, weight_terms)
 
 
 def _router_gemm_fake(
