@@ -34,6 +34,7 @@ from csrc_triton.environment import interpreting
 from csrc_triton.launches import SplitKLaunch
 from csrc_triton.pdl import launch_dependents, pdl_enabled
 from csrc_triton.split_sum import reduce_partials
+from csrc_triton.tickets import zeroed_per_stream
 
 
 @triton.jit
@@ -219,22 +220,9 @@ def _splitk_partials_kernel(
 _TICKETS: dict[tuple[int, int], torch.Tensor] = {}
 
 
-def _zeroed_per_stream(cache: dict, device: torch.device, numel: int, dtype: torch.dtype, least: int):
-    """A zeroed buffer per (device, stream): calls that may run concurrently on different streams
-    never share it, and every call leaves it at zero. Sized generously up front, so CUDA-graph
-    captures rarely allocate."""
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (device.index or 0, stream)
-    buf = cache.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = torch.zeros(max(numel, least), dtype=dtype, device=device)
-        cache[key] = buf
-    return buf
-
-
 def _tickets(device: torch.device, tiles: int) -> torch.Tensor:
     """int32 tickets, one per output tile."""
-    return _zeroed_per_stream(_TICKETS, device, tiles, torch.int32, 1 << 16)
+    return zeroed_per_stream(_TICKETS, device, tiles, torch.int32, 1 << 16)
 
 
 def split_workspace(

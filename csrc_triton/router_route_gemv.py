@@ -9,8 +9,8 @@ token block (an acquire-release atomic): the program that draws the last ticket 
 of those tokens in memory (in L2: the logits never make a round trip to HBM between two kernels),
 routes them, and resets the ticket for the next launch. No program waits on another.
 
-The tickets are one int32 per token block, per device and stream: launches on one stream run one
-after another, so each finds its tickets at zero (a fresh buffer, or reset by the launch before).
+The tickets are one int32 per token block, per device and stream (``tickets.py``): launches on one
+stream run one after another, so each finds its tickets at zero.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from csrc_triton import cdiv
 from csrc_triton.launches import GemvLaunch
 from csrc_triton.router_gemm_gemv import gemv_block_k, gemv_tile
 from csrc_triton.routing import RouteShape, Routing, route_rows, route_rows_per_program, routing_constexprs
+from csrc_triton.tickets import zeroed_per_stream
 
 
 @triton.jit
@@ -39,6 +40,7 @@ def _route_gemv_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, weights_ptr, ids_ptr,
                                        BLOCK_N, BLOCK_K, CHUNKS, COPY_STAGES)  # fmt: skip
     o = logits_ptr + offs_m[:, None].to(tl.int64) * stride_lm + offs_n[None, :]
     tl.store(o, logits, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+    tl.debug_barrier()  # every thread's logits are stored before the ticket is taken
     # Release: this tile is visible before the ticket; acquire: the last sees every tile.
     ticket = tl.atomic_add(tickets_ptr + pid_m, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(1) - 1:
@@ -49,19 +51,13 @@ def _route_gemv_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, weights_ptr, ids_ptr,
         tl.atomic_xchg(tickets_ptr + pid_m, 0, sem="relaxed", scope="gpu")
 
 
-#: (device, stream) -> its tickets (int32, zero between launches).
-_TICKETS: dict[tuple[str, int], torch.Tensor] = {}
-_TICKET_BLOCKS = 256
+#: (device, stream) -> the fused router's tickets (int32, one per token block, zero between launches).
+_TICKETS: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def tickets_for(device: torch.device, blocks: int) -> torch.Tensor:
     """The zeroed tickets of the current stream on ``device`` (at least ``blocks`` of them)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    tickets = _TICKETS.get(key)
-    if tickets is None or tickets.numel() < blocks:
-        tickets = _TICKETS[key] = torch.zeros(max(blocks, _TICKET_BLOCKS), dtype=torch.int32, device=device)
-    return tickets
+    return zeroed_per_stream(_TICKETS, device, blocks, torch.int32, 256)
 
 
 def route_gemv_launch(

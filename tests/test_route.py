@@ -221,3 +221,15 @@ def test_the_op_has_a_fake_and_a_schema():
 def test_bad_routing_is_refused_with_what_is_allowed(routing, bias, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         route(torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(256, 32), routing, "fp32", bias=bias)
+
+
+def test_batch_invariant_routing_of_a_token_is_its_routing_alone(gen):
+    """Batch-invariant: a token's logits, experts and weights are bitwise those it gets alone."""
+    n, routing, _ = ROUTINGS["deepseek-v3"]
+    bias = _bias(gen, n, routing)
+    x, w = _fused_inputs(gen, 24, 512, n, torch.float32)
+    batch = route_cuda(x, w, Precision.FP32, routing, bias, batch_invariant=True)
+    for i in (0, 7, 23):
+        alone = route_cuda(x[i : i + 1], w, Precision.FP32, routing, bias, batch_invariant=True)
+        for got, ref in zip(alone, batch, strict=True):
+            assert torch.equal(got[0], ref[i])
