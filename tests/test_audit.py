@@ -505,6 +505,13 @@ NEW_FAMILY_CHECKPOINTS = {
     "beam": ({"model_type": "beam", "architectures": ["BeamForCausalLM"], "hidden_size": 256,
               "n_routed_experts": 32, "num_experts_per_tok": 4},
              "model.layers.{}.mlp", "gate", "gate.e_score_correction_bias"),
+    "lfm2-moe": ({"model_type": "lfm2_moe", "architectures": ["Lfm2MoeForCausalLM"], "hidden_size": 256,
+                  "num_experts": 32, "num_experts_per_tok": 4, "use_expert_bias": True,
+                  "norm_topk_prob": True, "routed_scaling_factor": 2.0},
+                 "model.layers.{}.feed_forward", "gate", "expert_bias"),
+    "laguna": ({"model_type": "laguna", "architectures": ["LagunaForCausalLM"], "hidden_size": 256,
+                "num_experts": 32, "num_experts_per_tok": 4, "moe_routed_scaling_factor": 2.5},
+               "model.layers.{}.mlp", "gate", "experts.e_score_correction_bias"),
 }  # fmt: skip
 
 
@@ -533,8 +540,9 @@ def test_the_audit_routes_each_new_family_from_its_checkpoint(tmp_path, family):
     r = result["routing"]
     assert (r["top_k"], r["topk_method"], r["scoring_func"]) == (4, "noaux_tc", "sigmoid")
     assert r["n_group"] == (4 if family in ("kimi-k3", "glm5-next", "exaone-moe", "mimo-v2") else 1)
-    # the weights' scale as vLLM applies it (MiMo-V2: none; Hunyuan-V3: its router_scaling_factor)
-    scale = {"hy-v3": 2.0, "exaone-moe": 2.5, "mimo-v2": 1.0}
+    # the weights' scale as vLLM applies it in the router (MiMo-V2: none; Laguna: to the layer's
+    # output, not the weights; Hunyuan-V3: its router_scaling_factor)
+    scale = {"hy-v3": 2.0, "exaone-moe": 2.5, "mimo-v2": 1.0, "lfm2-moe": 2.0, "laguna": 1.0}
     if family in scale:
         assert r["routed_scaling_factor"] == scale[family] and r["renormalize"]
     o = result["overall"]
@@ -553,6 +561,48 @@ def test_the_audit_routes_each_new_family_from_its_checkpoint(tmp_path, family):
     missing = rf"layer 2: no e_score_correction_bias .*{bias_name.split('.')[-1]}"
     with pytest.raises(AuditError, match=missing):
         run_audit(tmp_path, tokens=16, progress=False)
+
+
+#: A router-only checkpoint of each softmax family (names as vLLM's loader reads them) and whether
+#: vLLM renormalises its top-k weights.
+SOFTMAX_CHECKPOINTS = {
+    "jamba": ({"model_type": "jamba", "architectures": ["JambaForCausalLM"], "hidden_size": 256,
+               "num_experts": 32, "num_experts_per_tok": 2},
+              "model.layers.{}.feed_forward.router", False),
+    "minicpm": ({"model_type": "minicpm", "architectures": ["MiniCPMForCausalLM"], "hidden_size": 256,
+                 "num_experts": 32, "num_experts_per_tok": 2},
+                "model.layers.{}.mlp.gate", True),
+    "qwen3.5-moe": ({"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                     "text_config": {"model_type": "qwen3_5_moe_text", "hidden_size": 256, "num_experts": 32,
+                                     "num_experts_per_tok": 8, "norm_topk_prob": True}},
+                    "model.language_model.layers.{}.mlp.gate", True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", SOFTMAX_CHECKPOINTS)
+def test_the_audit_routes_each_softmax_family_from_its_checkpoint(tmp_path, family):
+    """Softmax top-k families: the routers found in every MoE layer, routed as vLLM routes them
+    (renormalised or not), fp32 at fp64's choice on every token, bf16 logits not at fp32's error."""
+    from safetensors.torch import save_file
+
+    from vllm_router_ext.families import family_of
+
+    config, router, renormalize = SOFTMAX_CHECKPOINTS[family]
+    assert family_of(config["architectures"][0]).routing.startswith("softmax_topk")
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    tensors = {f"{router.format(layer)}.weight": (torch.randn(32, 256, generator=g) / 16).bfloat16()
+               for layer in (1, 3)}  # fmt: skip
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = run_audit(tmp_path, tokens=256, progress=False)
+    assert [int(i) for i in result["layers"]] == [1, 3]
+    r = result["routing"]
+    text = config.get("text_config", config)
+    assert (r["scoring_func"], r["topk_method"], r["n_group"]) == ("softmax", "greedy", 1)
+    assert (r["top_k"], r["renormalize"]) == (text["num_experts_per_tok"], renormalize)
+    o = result["overall"]
+    assert o["fp32"]["rel_err"] <= 1e-6 and o["fp32"]["changed_pct"] == 0.0
+    assert 1e-4 <= o["bf16"]["rel_err"] <= 1e-2
 
 
 def test_the_audit_routes_deepseek_v4_and_reports_its_hash_layers(tmp_path):
