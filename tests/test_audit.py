@@ -576,6 +576,9 @@ SOFTMAX_CHECKPOINTS = {
                      "text_config": {"model_type": "qwen3_5_moe_text", "hidden_size": 256, "num_experts": 32,
                                      "num_experts_per_tok": 8, "norm_topk_prob": True}},
                     "model.language_model.layers.{}.mlp.gate", True),
+    "granitemoe": ({"model_type": "granitemoe", "architectures": ["GraniteMoeForCausalLM"],
+                    "hidden_size": 256, "num_local_experts": 32, "num_experts_per_tok": 4},
+                   "model.layers.{}.block_sparse_moe.router.layer", True),
 }  # fmt: skip
 
 

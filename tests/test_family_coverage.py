@@ -48,7 +48,7 @@ def test_each_family_says_how_it_is_routed_and_the_references_read_it():
         assert (family.routing is None) == (not family.model_types), family.name
         assert family.routing is None or family.routing in ROUTINGS, family.name
     assert set(routing_fp64.ROUTED_MODEL_TYPES) == set(types)
-    renorm = {"gpt_oss": True, "mixtral": True, "minicpm": True}
+    renorm = {"gpt_oss": True, "mixtral": True, "minicpm": True, "granitemoe": True}
     plain = dict.fromkeys(
         ("qwen3_moe", "qwen3_vl_moe_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen2_moe",
          "olmoe", "jamba"),

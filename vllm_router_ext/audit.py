@@ -52,7 +52,7 @@ from vllm_router_ext.plotting import PLOT_MISSING, pyplot
 GATE_RE = re.compile(
     r"^(?:model\.|model\.language_model\.|language_model\.model\.|language_model\.|backbone\.)?"
     r"layers\.(\d+)\."
-    r"(mlp|block_sparse_moe|feed_forward|ffn|moe|mixer)\.(gate|router|router\.gate)\.weight$"
+    r"(mlp|block_sparse_moe|feed_forward|ffn|moe|mixer)\.(gate|router|router\.gate|router\.layer)\.weight$"
 )
 #: Where a family keeps ``e_score_correction_bias``, relative to the MoE block (ERNIE-4.5's
 #: ``moe_statics`` holds it as [1, experts]).
