@@ -579,6 +579,9 @@ SOFTMAX_CHECKPOINTS = {
     "granitemoe": ({"model_type": "granitemoe", "architectures": ["GraniteMoeForCausalLM"],
                     "hidden_size": 256, "num_local_experts": 32, "num_experts_per_tok": 4},
                    "model.layers.{}.block_sparse_moe.router.layer", True),
+    "step-3": ({"model_type": "step3_text", "architectures": ["Step3TextForCausalLM"], "hidden_size": 256,
+                "moe_num_experts": 32, "moe_top_k": 3, "norm_expert_weight": True},
+               "model.layers.{}.moe.gate", True),
 }  # fmt: skip
 
 
@@ -602,7 +605,12 @@ def test_the_audit_routes_each_softmax_family_from_its_checkpoint(tmp_path, fami
     r = result["routing"]
     text = config.get("text_config", config)
     assert (r["scoring_func"], r["topk_method"], r["n_group"]) == ("softmax", "greedy", 1)
-    assert (r["top_k"], r["renormalize"]) == (text["num_experts_per_tok"], renormalize)
+    top_k = text.get("num_experts_per_tok", text.get("moe_top_k"))
+    assert (r["top_k"], r["renormalize"]) == (top_k, renormalize)
+    if family == "step-3":  # its own renormalisation key, read both ways
+        from vllm_router_ext.ops.routing_fp64 import RoutingConfig
+
+        assert not RoutingConfig.from_hf_config({**config, "norm_expert_weight": False}).renormalize
     o = result["overall"]
     assert o["fp32"]["rel_err"] <= 1e-6 and o["fp32"]["changed_pct"] == 0.0
     assert 1e-4 <= o["bf16"]["rel_err"] <= 1e-2

@@ -54,10 +54,13 @@ ROUTED_MODEL_TYPES = _model_types(*ROUTINGS)
 SCORING_FUNCS = ("sigmoid", "softmax", "sqrtsoftplus")
 _EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "num_experts_per_token", "moe_top_k")
-#: Each ``sigmoid_bias`` or ``scored_topk`` model type's config keys (the family table's
-#: :class:`RoutingKeys`).
+#: Each ``sigmoid_bias``, ``scored_topk`` or softmax top-k model type's config keys (the family
+#: table's :class:`RoutingKeys`; softmax top-k reads only ``renormalize``).
 ROUTING_KEYS = {
-    t: f.keys for f in FAMILIES if f.routing in ("sigmoid_bias", "scored_topk") for t in f.model_types
+    t: f.keys
+    for f in FAMILIES
+    if f.routing in ("sigmoid_bias", "scored_topk", "softmax_topk", "softmax_topk_renorm")
+    for t in f.model_types
 }
 
 
@@ -106,7 +109,8 @@ class RoutingConfig:
         cfg = routing_fields(cfg)
         model_type = cfg.get("model_type")
         if model_type in SOFTMAX_TOP_K:
-            return cls(top_k, renormalize=bool(cfg.get("norm_topk_prob", SOFTMAX_TOP_K[model_type])))
+            key = ROUTING_KEYS[model_type].renormalize or "norm_topk_prob"
+            return cls(top_k, renormalize=bool(cfg.get(key, SOFTMAX_TOP_K[model_type])))
         if model_type in SOFTMAX_BIAS:
             return cls(top_k, topk_method="noaux_tc", renormalize=True)
         if model_type in SIGMOID_TOP_K:
