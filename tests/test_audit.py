@@ -369,33 +369,42 @@ def test_each_routing_picks_what_the_familys_own_formula_picks():
     )
 
 
-def test_the_audit_routes_flint_from_its_checkpoint(tmp_path):
-    """Flint's ``mlp.gate`` in every MoE layer, routed by its config's score function (sigmoid or
-    softmax) and ``norm_topk_prob``, no bias: fp32 at fp64's choice on every token, bf16 not."""
+#: Each ``scored_topk`` family: its config, the key naming its score function and the score vLLM
+#: uses without that key.
+SCORED_CHECKPOINTS = {
+    "flint": ({"model_type": "flint", "architectures": ["FlintForCausalLM"], "hidden_size": 256,
+               "num_experts": 32, "num_experts_per_tok": 6}, "router_score_function", "sigmoid"),
+    "cohere2-moe": ({"model_type": "cohere2_moe", "architectures": ["Cohere2MoeForCausalLM"],
+                     "hidden_size": 256, "num_experts": 32, "num_experts_per_tok": 6},
+                    "expert_selection_fn", "softmax"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", SCORED_CHECKPOINTS)
+def test_the_audit_routes_each_scored_family_from_its_checkpoint(tmp_path, family):
+    """The ``mlp.gate`` in every MoE layer, routed by the config's score function (sigmoid or
+    softmax; the family's default without the key) and ``norm_topk_prob``, no bias: fp32 at
+    fp64's choice on every token, bf16 not."""
     from safetensors.torch import save_file
 
     from vllm_router_ext.families import family_of
 
-    config = {"model_type": "flint", "architectures": ["FlintForCausalLM"], "hidden_size": 256,
-              "num_experts": 32, "num_experts_per_tok": 6, "router_score_function": "softmax"}  # fmt: skip
-    assert family_of("FlintForCausalLM").routing == "scored_topk"
+    config, score_key, default = SCORED_CHECKPOINTS[family]
+    assert family_of(config["architectures"][0]).routing == "scored_topk"
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     tensors = {
         f"model.layers.{i}.mlp.gate.weight": (torch.randn(32, 256, generator=g) / 16).bfloat16()
         for i in (0, 1)
     }
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    for score in ("softmax", "sigmoid"):
-        (tmp_path / "config.json").write_text(json.dumps({**config, "router_score_function": score}))
+    for score in ("softmax", "sigmoid", None):
+        cfg = config if score is None else {**config, score_key: score}
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
         result = run_audit(tmp_path, tokens=256, progress=False)
         assert [int(i) for i in result["layers"]] == [0, 1]
         r = result["routing"]
-        assert (r["top_k"], r["scoring_func"], r["topk_method"], r["renormalize"]) == (
-            6,
-            score,
-            "greedy",
-            True,
-        )
+        expected = (6, score or default, "greedy", True)
+        assert (r["top_k"], r["scoring_func"], r["topk_method"], r["renormalize"]) == expected
         o = result["overall"]
         assert o["fp32"]["rel_err"] <= 1e-6 and o["fp32"]["changed_pct"] == 0.0
         assert 1e-4 <= o["bf16"]["rel_err"] <= 1e-2

@@ -55,7 +55,8 @@ class RoutingKeys:
     groups: tuple[str, str] | None = ("n_group", "topk_group")  # None: one group; missing: one
     grouped: str | None = None  # a flag that turns the groups on (missing: on)
     scale: str | None = "routed_scaling_factor"  # None: vLLM scales by 1.0; missing key: 1.0
-    score: str | None = "scoring_func"  # None: sigmoid; missing key: sigmoid
+    score: str | None = "scoring_func"  # None or a missing key: ``score_default``
+    score_default: str = "sigmoid"
     #: The config key and the value (also its default) under which the correction bias is used.
     bias_if: tuple[str, object] = ("use_routing_bias", True)
     #: Where the bias sits, relative to the MoE block (``{gate}``: the router's own name).
@@ -337,7 +338,9 @@ FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("DBRX", ("DbrxForCausalLM",), None, _REF.format("dbrx", _LINEAR)),
     MoeFamily("Jamba", ("JambaForCausalLM", "JambaForSequenceClassification"), None,
               _REF.format("jamba", _LINEAR), model_types=("jamba",), routing="softmax_topk"),
-    MoeFamily("Cohere2-MoE", ("Cohere2MoeForCausalLM",), None, _REF.format("cohere2_moe", _IN_MODEL_DTYPE)),
+    MoeFamily("Cohere2-MoE", ("Cohere2MoeForCausalLM",), None, _REF.format("cohere2_moe", _IN_MODEL_DTYPE),
+              model_types=("cohere2_moe",), routing="scored_topk",
+              keys=RoutingKeys(score="expert_selection_fn", score_default="softmax")),
     MoeFamily("LFM2-MoE", ("Lfm2MoeForCausalLM",), None, _REF.format("lfm2_moe", _IN_MODEL_DTYPE),
               model_types=("lfm2_moe",), routing="sigmoid_bias",
               keys=RoutingKeys(groups=None, score=None, bias_if=("use_expert_bias", True),

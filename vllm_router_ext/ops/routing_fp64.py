@@ -117,7 +117,7 @@ class RoutingConfig:
             return cls(top_k, scoring_func="sigmoid")
         if model_type in SCORED_TOP_K:
             keys = ROUTING_KEYS[model_type]
-            score = cfg.get(keys.score, "sigmoid") if keys.score else "sigmoid"
+            score = cfg.get(keys.score, keys.score_default) if keys.score else keys.score_default
             return cls(top_k, scoring_func=score, renormalize=bool(cfg.get(keys.renormalize, True)))
         if model_type in SQRTSOFTPLUS_BIAS:
             return cls(
@@ -156,7 +156,7 @@ class RoutingConfig:
             top_k,
             n_group=n_group,
             topk_group=topk_group,
-            scoring_func=cfg.get(keys.score, "sigmoid") if keys.score else "sigmoid",
+            scoring_func=cfg.get(keys.score, keys.score_default) if keys.score else keys.score_default,
             topk_method=method,
             renormalize=bool(cfg.get(keys.renormalize, True)) if keys.renormalize else True,
             routed_scaling_factor=float(cfg.get(keys.scale, 1.0)) if keys.scale else 1.0,
