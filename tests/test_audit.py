@@ -518,6 +518,10 @@ NEW_FAMILY_CHECKPOINTS = {
                   "num_experts": 32, "num_experts_per_tok": 4, "use_expert_bias": True,
                   "norm_topk_prob": True, "routed_scaling_factor": 2.0},
                  "model.layers.{}.feed_forward", "gate", "expert_bias"),
+    "axk1": ({"model_type": "axk1", "architectures": ["AXK1ForCausalLM"], "hidden_size": 256,
+              "n_routed_experts": 32, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+              "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 2.5},
+             "model.layers.{}.mlp", "gate", "gate.e_score_correction_bias"),
     "laguna": ({"model_type": "laguna", "architectures": ["LagunaForCausalLM"], "hidden_size": 256,
                 "num_experts": 32, "num_experts_per_tok": 4, "moe_routed_scaling_factor": 2.5},
                "model.layers.{}.mlp", "gate", "experts.e_score_correction_bias"),
@@ -548,10 +552,10 @@ def test_the_audit_routes_each_new_family_from_its_checkpoint(tmp_path, family):
     assert [int(i) for i in result["layers"]] == [1, 2]
     r = result["routing"]
     assert (r["top_k"], r["topk_method"], r["scoring_func"]) == (4, "noaux_tc", "sigmoid")
-    assert r["n_group"] == (4 if family in ("kimi-k3", "glm5-next", "exaone-moe", "mimo-v2") else 1)
+    assert r["n_group"] == (4 if family in ("kimi-k3", "glm5-next", "exaone-moe", "mimo-v2", "axk1") else 1)
     # the weights' scale as vLLM applies it in the router (MiMo-V2: none; Laguna: to the layer's
     # output, not the weights; Hunyuan-V3: its router_scaling_factor)
-    scale = {"hy-v3": 2.0, "exaone-moe": 2.5, "mimo-v2": 1.0, "lfm2-moe": 2.0, "laguna": 1.0}
+    scale = {"hy-v3": 2.0, "exaone-moe": 2.5, "mimo-v2": 1.0, "lfm2-moe": 2.0, "laguna": 1.0, "axk1": 2.5}
     if family in scale:
         assert r["routed_scaling_factor"] == scale[family] and r["renormalize"]
     o = result["overall"]
