@@ -233,3 +233,22 @@ def test_batch_invariant_routing_of_a_token_is_its_routing_alone(gen):
         alone = route_cuda(x[i : i + 1], w, Precision.FP32, routing, bias, batch_invariant=True)
         for got, ref in zip(alone, batch, strict=True):
             assert torch.equal(got[0], ref[i])
+
+
+def test_route_compiles_as_one_opaque_op_for_every_m(gen):
+    """torch.compile (fullgraph, dynamic) traces the op through its fake: one graph serves every M
+    and its results are the eager op's."""
+    n, routing, _ = ROUTINGS["deepseek-v3"]
+    w = torch.randn(n, 64, generator=gen).to(DEV)
+    bias = _bias(gen, n, routing)
+
+    def stage(x):
+        weights, ids, _ = route(x, w, routing, "fp32", bias=bias)
+        return weights * 2, ids
+
+    torch._dynamo.reset()
+    compiled = torch.compile(stage, fullgraph=True, dynamic=True)
+    for m in (1, 5, 33):
+        x = torch.randn(m, 64, generator=gen).to(torch.bfloat16).to(DEV)
+        got, want = compiled(x), stage(x)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
