@@ -1,7 +1,7 @@
 """The fused router for decode: gate GEMV, scores, grouped top-k and weights in one launch.
 
 Invariant: the logits are those of the GEMV (``router_gemm_gemv``, same launch, same sums, bit for
-bit) and each token's experts are :func:`csrc_triton.routing.select_experts` of them, so the fused
+bit) and each token's experts are :func:`csrc_triton.routing.route_rows` of them, so the fused
 router and "GEMV, then the routing kernel" agree exactly.
 
 Each program computes its [BLOCK_M, BLOCK_N] logits tile, stores it, and takes a ticket for its

@@ -13,9 +13,8 @@ softmax scores chosen with a bias (ERNIE-4.5), the sigmoid of the top-k logits (
 ``sqrtsoftplus`` + bias (DeepSeek-V4). Weights are the unbiased scores of the chosen experts,
 renormalised if asked, times the routed scaling factor.
 
-Tokens are laid out ``[ROWS, GROUPS_P, GROUP_P]`` (groups padded to powers of two), expert
-``g * group_size + j``; ``select_experts`` is shared by the routing kernel here and the fused
-router (``router_route_gemv``), which runs it on the logits its own GEMV wrote.
+``route_rows`` is shared by the routing kernel here and the fused router (``router_route_gemv``),
+which runs it on the logits its own GEMV wrote.
 """
 
 from __future__ import annotations
@@ -89,109 +88,74 @@ class RouteShape:
 
 
 @triton.jit
-def _max2(v):
-    """Per row of ``v`` [R, G, S]: its maximum, [R]."""
-    return tl.max(tl.max(v, axis=2), axis=1)
+def _ordered(v):
+    """fp32 -> int32 whose signed order is v's (-inf lowest); its own inverse on the int32 side."""
+    b = v.to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
 
 
 @triton.jit
-def _min2(v):
-    return tl.min(tl.min(v, axis=2), axis=1)
+def _value(key):
+    """The fp32 value a packed key holds."""
+    return _ordered((key >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _sum2(v):
-    return tl.sum(tl.sum(v, axis=2), axis=1)
+def _packed(v, index, LAST: tl.constexpr):
+    """int64 keys whose maximum is the best ``v``, on ties the lowest ``index`` (<= LAST): one
+    reduction picks a value and where it is."""
+    return (_ordered(v).to(tl.int64) << 32) | (LAST - index).to(tl.int64)
 
 
 @triton.jit
-def _scores(logits, valid, SCORING: tl.constexpr):
-    """fp32 scores of fp32 ``logits`` [R, G, S]; ``valid`` marks real experts."""
+def _index(key, LAST: tl.constexpr):
+    return LAST - key.to(tl.int32)  # the low 32 bits
+
+
+@triton.jit
+def _fixed_sum(v, axis: tl.constexpr):
+    """The sum along ``axis`` of ``v`` in [0, 1] as an exact int64 fixed-point sum (2^-40 units):
+    the same bits whatever the layout, warps or rows per program."""
+    return tl.sum((v * 1099511627776.0).to(tl.int64), axis=axis).to(tl.float32) * (1.0 / 1099511627776.0)
+
+
+@triton.jit
+def _score(logits, top, total, SCORING: tl.constexpr):
+    """The score of each of ``logits`` (the same expression wherever a score is computed)."""
     if SCORING == 0:
         return 1.0 / (1.0 + tl.exp(-logits))
     elif SCORING == 1:
-        top = _max2(tl.where(valid, logits, float("-inf")))
-        e = tl.where(valid, tl.exp(logits - top[:, None, None]), 0.0)
-        return e / _sum2(e)[:, None, None]
+        return tl.exp(logits - top) / total
     else:
         # sqrt(softplus(l)); softplus = max(l, 0) + log1p(exp(-|l|)), log1p(y) accurate for small y
         # as log(1 + y) * y / ((1 + y) - 1); above 20 torch's softplus is the identity.
         y = tl.exp(-tl.abs(logits))
         u = 1.0 + y
         log1p = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))
-        softplus = tl.where(logits > 20.0, logits, tl.maximum(logits, 0.0) + log1p)
-        return tl.sqrt(softplus)
+        return tl.sqrt(tl.where(logits > 20.0, logits, tl.maximum(logits, 0.0) + log1p))
 
 
 @triton.jit
-def _best_groups(choice, valid, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BIAS: tl.constexpr,
-                 GROUPS_P: tl.constexpr, GROUP_P: tl.constexpr):  # fmt: skip
-    """``[R, G, 1]`` mask of each token's TOPK_GROUP best groups (lowest group first on ties)."""
-    member = tl.arange(0, GROUP_P)[None, None, :]
-    c = tl.where(valid, choice, float("-inf"))
-    best = tl.max(c, axis=2)
-    if BIAS:  # the sum of the two best: the first best's slot (lowest index) out, the next best
-        first = tl.min(tl.where((c == best[:, :, None]) & valid, member, GROUP_P), axis=2)
-        second = tl.max(tl.where(member == first[:, :, None], float("-inf"), c), axis=2)
-        best = best + second
+def _best_groups(keys, ROWS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                 BIAS: tl.constexpr, GROUPS_P: tl.constexpr, GROUP_P: tl.constexpr):  # fmt: skip
+    """[R, N_P] mask of each token's TOPK_GROUP best groups (lowest group first on ties). A group
+    scores its best choice value, or with a correction bias the sum of its two best."""
+    MISSING: tl.constexpr = -9223372036854775807
+    k3 = tl.reshape(keys, (ROWS, GROUPS_P, GROUP_P))
+    first = tl.max(k3, axis=2)
+    best = _value(first)
+    if BIAS:  # keys are unique (each holds its slot): the first best out, then the next best
+        second = tl.max(tl.where(k3 == first[:, :, None], MISSING, k3), axis=2)
+        best = best + tl.where(second == MISSING, float("-inf"), _value(second))
     group = tl.arange(0, GROUPS_P)[None, :]
-    real = group < N_GROUP
-    chosen = best < best  # all False, [R, G] (best holds no NaN)
+    gkeys = tl.where(group < N_GROUP, _packed(best, group, GROUPS_P - 1), MISSING)
+    chosen = group < 0  # all False
     for _ in tl.static_range(TOPK_GROUP):
-        cand = tl.where(real & ~chosen, best, float("-inf"))
-        top = tl.max(cand, axis=1)
-        pick = (cand == top[:, None]) & real & ~chosen  # all groups when every score is -inf/NaN
-        g = tl.min(tl.where(pick, group, N_GROUP), axis=1)
-        chosen = chosen | (group == g[:, None])
-    return chosen[:, :, None]
-
-
-@triton.jit
-def select_experts(logits, bias, valid, expert, scaling,
-                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                   K_P: tl.constexpr, GROUPS_P: tl.constexpr, GROUP_P: tl.constexpr,
-                   SCORING: tl.constexpr, BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):  # fmt: skip
-    """The experts of each token: (ids [R, K_P] int32, weights [R, K_P] fp32), slots >= TOP_K
-    unused. ``logits``/``bias`` [R, G, S] fp32 (bias ignored unless BIAS), ``expert`` the expert
-    index of each slot, ``valid`` the real experts."""
-    logits = tl.where(logits == logits, logits, float("-inf"))  # NaN (padding rows) ranks last
-    scores = _scores(logits, valid, SCORING)
-    choice = scores
-    if BIAS:
-        choice = scores + bias
-    choice = tl.where(valid & (choice == choice), choice, float("-inf"))
-    allowed = valid
-    if N_GROUP > 1:
-        allowed = allowed & _best_groups(choice, valid, N_GROUP, TOPK_GROUP, BIAS, GROUPS_P, GROUP_P)
-    slot = tl.arange(0, K_P)[None, :]
-    ids = tl.zeros((logits.shape[0], K_P), tl.int32)
-    weights = tl.zeros((logits.shape[0], K_P), tl.float32)
-    taken = choice < choice  # all False, [R, G, S] (choice holds no NaN)
-    BIG: tl.constexpr = 2**30
-    for t in tl.static_range(TOP_K):
-        cand = tl.where(allowed & ~taken, choice, float("-inf"))
-        top = _max2(cand)
-        pick = (cand == top[:, None, None]) & allowed & ~taken
-        e = _min2(tl.where(pick, expert, BIG))
-        hit = expert == e[:, None, None]
-        w = _sum2(tl.where(hit, scores, 0.0))
-        taken = taken | hit
-        ids = tl.where(slot == t, e[:, None], ids)
-        weights = tl.where(slot == t, w[:, None], weights)
-    if RENORMALIZE:
-        weights = weights / tl.sum(weights, axis=1)[:, None]  # unused slots hold 0
-    return ids, weights * scaling
-
-
-@triton.jit
-def expert_layout(N_EXPERTS: tl.constexpr, N_GROUP: tl.constexpr, GROUPS_P: tl.constexpr,
-                  GROUP_P: tl.constexpr):  # fmt: skip
-    """The [1, GROUPS_P, GROUP_P] expert index and validity of each slot."""
-    GROUP_SIZE: tl.constexpr = N_EXPERTS // N_GROUP
-    group = tl.arange(0, GROUPS_P)[None, :, None]
-    member = tl.arange(0, GROUP_P)[None, None, :]
-    valid = (group < N_GROUP) & (member < GROUP_SIZE)
-    return group * GROUP_SIZE + member, valid
+        g = _index(tl.max(gkeys, axis=1), GROUPS_P - 1)[:, None]
+        chosen = chosen | (group == g)
+        gkeys = tl.where(group == g, MISSING, gkeys)
+    chosen3 = tl.broadcast_to(chosen[:, :, None], (ROWS, GROUPS_P, GROUP_P))
+    return tl.reshape(chosen3, (ROWS, GROUPS_P * GROUP_P))
 
 
 @triton.jit
@@ -202,27 +166,66 @@ def route_rows(logits_ptr, stride_lm, bias_ptr, weights_ptr, ids_ptr, stride_om,
                RENORMALIZE: tl.constexpr, VOLATILE: tl.constexpr):  # fmt: skip
     """Route tokens ``row0 .. row0 + ROWS`` (< M) from their logits in memory into ``weights_ptr``
     (fp32) and ``ids_ptr`` (int32). VOLATILE: read the logits past the L1 cache (other programs
-    wrote them during this launch)."""
-    expert, valid = expert_layout(N_EXPERTS, N_GROUP, GROUPS_P, GROUP_P)
+    wrote them during this launch).
+
+    Each token's experts sit in a row of N_P = GROUPS_P x GROUP_P slots (group-major, padded);
+    every pick is one reduction of int64 keys (the choice value's order, then the lowest expert),
+    and the weights are the scores of the chosen experts' logits, read back from memory."""
+    N_P: tl.constexpr = GROUPS_P * GROUP_P
+    GROUP_SIZE: tl.constexpr = N_EXPERTS // N_GROUP
+    MISSING: tl.constexpr = -9223372036854775807
+    slot_n = tl.arange(0, N_P)[None, :]
+    expert = (slot_n // GROUP_P) * GROUP_SIZE + slot_n % GROUP_P
+    valid = (slot_n // GROUP_P < N_GROUP) & (slot_n % GROUP_P < GROUP_SIZE)
     rows = row0 + tl.arange(0, ROWS)
-    row_ok = rows < M
-    mask = row_ok[:, None, None] & valid
-    ptrs = logits_ptr + rows[:, None, None].to(tl.int64) * stride_lm + expert
+    row_ok = rows[:, None] < M
+    row_ptrs = logits_ptr + rows[:, None].to(tl.int64) * stride_lm
     if VOLATILE:
-        logits = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        logits = tl.load(row_ptrs + expert, mask=row_ok & valid, other=0.0, cache_modifier=".cg")
     else:
-        logits = tl.load(ptrs, mask=mask, other=0.0)
+        logits = tl.load(row_ptrs + expert, mask=row_ok & valid, other=0.0)
     logits = logits.to(tl.float32)
-    bias = logits
+    logits = tl.where(logits == logits, logits, float("-inf"))  # NaN (padding rows) ranks last
+    if SCORING == 1:
+        top = tl.max(tl.where(valid, logits, float("-inf")), axis=1)[:, None]
+        total = _fixed_sum(tl.where(valid, tl.exp(logits - top), 0.0), 1)[:, None]
+        scores = _score(logits, top, total, SCORING)
+    else:
+        scores = _score(logits, 0.0, 1.0, SCORING)
+    choice = scores
     if BIAS:
-        bias = tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
-    ids, weights = select_experts(logits, bias, valid, expert, scaling, N_GROUP, TOPK_GROUP, TOP_K, K_P,
-                                  GROUPS_P, GROUP_P, SCORING, BIAS, RENORMALIZE)  # fmt: skip
-    slot = tl.arange(0, K_P)[None, :]
-    out = rows[:, None].to(tl.int64) * stride_om + slot
-    out_mask = row_ok[:, None] & (slot < TOP_K)
+        choice = scores + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(choice == choice, choice, float("-inf"))
+    keys = tl.where(valid, _packed(choice, slot_n, N_P - 1), MISSING)
+    if N_GROUP > 1:
+        in_groups = _best_groups(keys, ROWS, N_GROUP, TOPK_GROUP, BIAS, GROUPS_P, GROUP_P)
+        keys = tl.where(in_groups, keys, MISSING)
+    slot_k = tl.arange(0, K_P)[None, :]
+    ids = tl.zeros((ROWS, K_P), tl.int32)
+    for t in tl.static_range(TOP_K):
+        pick = _index(tl.max(keys, axis=1), N_P - 1)[:, None]  # slot of the best left
+        ids = tl.where(slot_k == t, (pick // GROUP_P) * GROUP_SIZE + pick % GROUP_P, ids)
+        keys = tl.where(slot_n == pick, MISSING, keys)
+    out_mask = row_ok & (slot_k < TOP_K)
+    if VOLATILE:
+        chosen = tl.load(row_ptrs + ids, mask=out_mask, other=0.0, cache_modifier=".cg")
+    else:
+        chosen = tl.load(row_ptrs + ids, mask=out_mask, other=0.0)
+    chosen = chosen.to(tl.float32)
+    chosen = tl.where(chosen == chosen, chosen, float("-inf"))
+    if SCORING == 1:
+        weights = _score(chosen, top, total, SCORING)
+    else:
+        weights = _score(chosen, 0.0, 1.0, SCORING)
+    weights = tl.where(slot_k < TOP_K, weights, 0.0)
+    if RENORMALIZE:  # in selection order, whatever the layout
+        norm = tl.zeros((ROWS,), tl.float32)
+        for t in tl.static_range(TOP_K):
+            norm += tl.sum(tl.where(slot_k == t, weights, 0.0), axis=1)
+        weights = weights / norm[:, None]
+    out = rows[:, None].to(tl.int64) * stride_om + slot_k
     tl.store(ids_ptr + out, ids, mask=out_mask)
-    tl.store(weights_ptr + out, weights, mask=out_mask)
+    tl.store(weights_ptr + out, weights * scaling, mask=out_mask)
 
 
 @triton.jit
@@ -236,10 +239,15 @@ def _route_logits_kernel(logits_ptr, stride_lm, bias_ptr, weights_ptr, ids_ptr, 
                BIAS, RENORMALIZE, False)  # fmt: skip
 
 
+#: The routing kernel's warps: one, so that every reduction stays inside a warp (shuffles, no
+#: shared memory or barriers).
+ROUTE_WARPS = 1
+
+
 def route_rows_per_program(shape: RouteShape) -> int:
-    """Tokens per routing program: about 2,048 padded experts' values in flight (16 fp32 per thread
-    of 4 warps), at least one token."""
-    return max(1, min(16, 2048 // (shape.groups_p * shape.group_p)))
+    """Tokens per routing program: about 512 padded experts' values (16 a thread of one warp), at
+    least one token."""
+    return max(1, min(16, 512 // (shape.groups_p * shape.group_p)))
 
 
 def routing_constexprs(n_experts: int, routing: Routing) -> dict:
@@ -285,5 +293,5 @@ def route_logits(
         float(routing.routed_scaling_factor),
         ROWS=rows,
         **routing_constexprs(n, routing),
-        num_warps=4,
+        num_warps=ROUTE_WARPS,
     )

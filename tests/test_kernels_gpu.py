@@ -578,7 +578,7 @@ def test_selfcheck_probes_every_batch_invariant_config_on_this_gpu(mode):
     from vllm_router_ext.bench_harness import M_LIST
     from vllm_router_ext.selfcheck import check_batch_invariance, probe_sizes
 
-    prec = Precision(mode)
+    prec = RouterPrecision(mode)
     for shape in SHAPES:
         w = (torch.randn(shape.n, shape.k, device="cuda") / shape.k**0.5).to(torch.bfloat16)
         sizes = probe_sizes(w, prec)

@@ -4,8 +4,8 @@ the same tests run the compiled kernels (the fused router's tickets across real 
 
 Tolerances: in ``fp32`` the logits are fp32-exact sums, the scores one fp32 evaluation of
 sigmoid / softmax / sqrt(softplus): expert ids equal fp64's wherever the selection's margin is
-above fp32 rounding (random tokens, and near-tie tokens built with a margin of 2^-14), weights
-within 1e-6 (absolute; they are <= the routed scaling factor).
+above fp32 rounding (1e-6 in logit units; random tokens, and near-tie tokens built with a margin
+of 2^-14), weights within 1e-6 times the routed scaling factor.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from csrc_triton.problem import Precision, Problem
 from csrc_triton.router_gemm_gemv import gemv_launch
 from csrc_triton.routing import Routing, Scoring, route_logits
 from vllm_router_ext.ops.route import route, route_torch
-from vllm_router_ext.ops.routing_fp64 import RoutingConfig, select_experts
+from vllm_router_ext.ops.routing_fp64 import RoutingConfig, near_tie_mask, select_experts
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -68,12 +68,23 @@ def _poisoned_outputs(m, top_k):
     )
 
 
+#: Selection margins (in logit units) below fp32's own rounding of the logits and scores: a token
+#: whose fp64 choice is that close is a tie at fp32 resolution, where fp32 may pick either.
+FP32_TIE = 1e-6
+
+
 def _assert_routes_as_fp64(ids, weights, logits, cfg, bias):
+    """Expert ids equal fp64's on every token whose fp64 margin is above fp32 resolution (at most
+    1 % of random tokens, or 2, are that close), weights within 1e-6 (times the routed scaling
+    factor) wherever the ids agree."""
     ref_ids, ref_weights = _reference(logits, cfg, bias)
     got_ids, got_weights = _sorted(ids, weights)
-    bad = (got_ids != ref_ids).any(dim=1)
+    ties = near_tie_mask(logits.double().cpu(), cfg, None if bias is None else bias.double().cpu(), FP32_TIE)
+    assert int(ties.sum()) <= max(2, 0.01 * len(ties))
+    bad = (got_ids != ref_ids).any(dim=1) & ~ties
     assert not bad.any(), f"{int(bad.sum())} tokens differ: {got_ids[bad][0]} vs {ref_ids[bad][0]}"
-    assert (got_weights - ref_weights).abs().max().item() <= 1e-6
+    same = (got_ids == ref_ids).all(dim=1)
+    assert (got_weights - ref_weights)[same].abs().max().item() <= 1e-6 * max(1.0, cfg.routed_scaling_factor)
 
 
 def _near_tie_logits(gen, m, n, routing, bias):
