@@ -5,9 +5,10 @@
 
 Methods (each a CUDA graph of calls over rotated weights and activations, weights out of L2; per
 M the methods take turns, in a rotated order each round; the median over rounds):
-- ``ours fused``: ``router_ext::route`` in ``fp32`` (decode: one launch; larger M: our GEMM, then
-  our routing kernel);
-- ``ours GEMM + ours routing``: ``router_gemm`` then the routing kernel, two launches;
+- ``ours (route op)``: ``router_ext::route`` in ``fp32``: our GEMM, then our routing kernel as a
+  programmatic dependent launch (Hopper);
+- ``ours fused, one launch``: decode's GEMV and the routing in one launch (larger M as the op);
+- ``ours GEMM + routing, plain launches``: ``router_gemm`` then the routing kernel, no PDL;
 - ``ours GEMM + vLLM top-k`` and ``stock (vLLM)``: with vLLM importable, vLLM's routing kernel
   (``grouped_topk``'s fused CUDA kernel for sigmoid + bias, ``fused_topk`` for softmax) on our fp32
   logits, and on the bf16 logits of stock's GEMM (cuBLAS ``F.linear`` in bf16);
@@ -28,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from csrc_triton.dispatch import route_cuda
+from csrc_triton.problem import Precision
 from csrc_triton.routing import Routing, Scoring, route_logits
 from vllm_router_ext.bench import environment
 from vllm_router_ext.bench_harness import rotation_copies, time_graph
@@ -54,7 +57,9 @@ SHAPES = {
 MS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
 STOCK = "stock (vLLM)"
 CUBLAS = "cuBLAS bf16 GEMM"
-TWO_LAUNCHES = "ours GEMM + ours routing"
+OURS = "ours (route op)"
+ONE_LAUNCH = "ours fused, one launch"
+PLAIN = "ours GEMM + routing, plain launches"
 
 
 def vllm_topk() -> tuple[Callable | None, str]:
@@ -79,10 +84,13 @@ def vllm_topk() -> tuple[Callable | None, str]:
 def methods(topk: Callable | None) -> dict[str, Callable]:
     """name -> fn(x, w, bias, routing)."""
 
-    def ours_fused(x, w, bias, routing):
+    def ours(x, w, bias, routing):
         return route(x, w, routing, "fp32", bias=bias)
 
-    def ours_two(x, w, bias, routing):
+    def ours_one_launch(x, w, bias, routing):
+        return route_cuda(x, w, Precision.FP32, routing, bias, False, fused=True)[:2]
+
+    def ours_plain(x, w, bias, routing):
         logits = router_gemm(x, w, "fp32")
         weights = torch.empty((x.shape[0], routing.top_k), device=x.device)
         ids = torch.empty((x.shape[0], routing.top_k), dtype=torch.int32, device=x.device)
@@ -92,7 +100,7 @@ def methods(topk: Callable | None) -> dict[str, Callable]:
     def cublas(x, w, bias, routing):
         return torch.nn.functional.linear(x, w)
 
-    out = {"ours fused": ours_fused, TWO_LAUNCHES: ours_two, CUBLAS: cublas}
+    out = {OURS: ours, ONE_LAUNCH: ours_one_launch, PLAIN: ours_plain, CUBLAS: cublas}
     if topk is not None:
         out["ours GEMM + vLLM top-k"] = lambda x, w, b, r: topk(x, router_gemm(x, w, "fp32"), r, b)
         out[STOCK] = lambda x, w, b, r: topk(x, torch.nn.functional.linear(x, w), r, b)
@@ -108,10 +116,11 @@ def measure(shape: StageShape, ms, rounds: int, table: dict[str, Callable]) -> l
         xs = [torch.randn(m, k, device="cuda", generator=g).bfloat16() for _ in range(copies)]
         ws = [(torch.randn(n, k, device="cuda", generator=g) / k**0.5).bfloat16() for _ in range(copies)]
         bias = (torch.randn(n, device="cuda", generator=g) * 0.05) if shape.routing.bias else None
-        # the fused launch routes exactly as the two launches do
-        fused, two = (table[t](xs[0], ws[0], bias, shape.routing) for t in ("ours fused", TWO_LAUNCHES))
-        if not (torch.equal(fused[0], two[0]) and torch.equal(fused[1], two[1])):
-            raise SystemExit(f"router_stage: {shape.name} M={m}: the fused router and {TWO_LAUNCHES} differ")
+        # every path of ours routes exactly alike
+        outs = [table[t](xs[0], ws[0], bias, shape.routing) for t in (OURS, ONE_LAUNCH, PLAIN)]
+        for other in outs[1:]:
+            if not (torch.equal(outs[0][0], other[0]) and torch.equal(outs[0][1], other[1])):
+                raise SystemExit(f"router_stage: {shape.name} M={m}: our routing paths differ")
         names = list(table)
         times: dict[str, list[float]] = {t: [] for t in names}
         for r in range(rounds):

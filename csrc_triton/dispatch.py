@@ -13,6 +13,7 @@ import torch
 
 from csrc_triton import choice
 from csrc_triton.launches import CublasLaunch, Fp32WeightTermsLaunch, GemvLaunch, KernelLaunch, describe
+from csrc_triton.pdl import pdl_enabled
 from csrc_triton.problem import Precision, Problem
 from csrc_triton.routing import Routing, route_logits
 
@@ -53,11 +54,13 @@ def route_cuda(
     bias: torch.Tensor | None,
     batch_invariant: bool,
     weight_terms: torch.Tensor | None = None,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each token's experts (``weights`` [M, top_k] fp32, ``ids`` [M, top_k] int32) and the router
-    logits they come from. Where the choice runs the GEMV (decode) and the logits are fp32, one
-    fused launch (``router_route_gemv``); otherwise :func:`router_gemm_cuda`, then the routing
-    kernel (``routing.route_logits``). Both route the same logits identically."""
+    logits they come from: the chosen router GEMM, then the routing kernel (``routing.route_logits``)
+    as a programmatic dependent launch where the GPU has it; after the GEMV (decode), which lets it
+    launch at once, its launch overlaps the GEMM. ``fused``: one launch instead where the choice runs
+    the GEMV and the logits are fp32 (``router_route_gemv``); both route the same logits identically."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
@@ -67,14 +70,18 @@ def route_cuda(
     ids = torch.empty((m, routing.top_k), dtype=torch.int32, device=x.device)
     problem = Problem.of(x, weight, precision, batch_invariant, weight_terms is not None)
     launch = choice.choose(problem) if m else None
-    if isinstance(launch, GemvLaunch) and problem.logits_dtype == torch.float32:
-        from csrc_triton.router_route_gemv import route_gemv_launch
+    pdl = pdl_enabled(x.device)
+    if isinstance(launch, GemvLaunch):
+        logits = torch.empty((m, problem.n), dtype=problem.logits_dtype, device=x.device)
+        if fused and problem.logits_dtype == torch.float32:
+            from csrc_triton.router_route_gemv import route_gemv_launch
 
-        logits = torch.empty((m, problem.n), dtype=torch.float32, device=x.device)
-        route_gemv_launch(x, weight, routing, bias, logits, weights, ids, launch)
-        return weights, ids, logits
-    logits = router_gemm_cuda(x, weight, precision, batch_invariant, weight_terms)
-    route_logits(logits, routing, bias, weights, ids)
+            route_gemv_launch(x, weight, routing, bias, logits, weights, ids, launch)
+            return weights, ids, logits
+        launch_exactly(launch, x, weight, logits, pdl=pdl)
+    else:
+        logits = router_gemm_cuda(x, weight, precision, batch_invariant, weight_terms)
+    route_logits(logits, routing, bias, weights, ids, pdl)
     return weights, ids, logits
 
 
@@ -141,10 +148,10 @@ def _cublas(x: torch.Tensor, weight: torch.Tensor, logits_dtype: torch.dtype) ->
 
 
 def launch_exactly(
-    launch: KernelLaunch, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor
+    launch: KernelLaunch, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, **options: bool
 ) -> torch.Tensor:
     """Launch ``launch`` exactly as it is (already resolved for this GPU) with the launcher its
-    type names."""
+    type names (``options``: that launcher's own, e.g. the GEMV's ``pdl``)."""
     kind = type(launch)
     run = _LAUNCHERS.get(kind)
     if run is None:
@@ -156,7 +163,7 @@ def launch_exactly(
         else:
             raise TypeError(f"not a kernel launch: {launch!r}")
         _LAUNCHERS[kind] = run
-    return run(x, weight, out, launch)
+    return run(x, weight, out, launch, **options)
 
 
 #: Launch type -> its launcher, imported on first use (a kernel module compiles nothing on import,

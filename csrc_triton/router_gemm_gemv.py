@@ -23,6 +23,7 @@ import triton.language as tl
 
 from csrc_triton import cdiv
 from csrc_triton.launches import GemvLaunch
+from csrc_triton.pdl import launch_dependents
 
 
 @triton.jit
@@ -77,7 +78,9 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     CHUNKS: tl.constexpr,
     COPY_STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    launch_dependents(PDL)  # a kernel reading these logits may launch now (it waits for us)
     # Token blocks vary fastest: programs that read the same weight rows run side by side.
     logits, offs_m, offs_n = gemv_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, tl.program_id(0),
                                        tl.program_id(1), BLOCK_M, BLOCK_N, BLOCK_K, CHUNKS,
@@ -93,12 +96,15 @@ def gemv_block_k(x: torch.Tensor, w: torch.Tensor, num_warps: int) -> int:
     return vec * 32 * num_warps
 
 
-def gemv_launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, launch: GemvLaunch) -> torch.Tensor:
+def gemv_launch(
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, launch: GemvLaunch, pdl: bool = False
+) -> torch.Tensor:
     """Write ``x @ w.T`` into ``out`` [M, N]. x, w: unit stride along K; any float dtypes.
     ``maxnreg`` > 0 gives ptxas that register budget: with it, ptxas issues every chunk's loads
     before the first FMA instead of holding some back until registers free up (a second trip to
     memory). ``copy_stages`` > 0 runs the chunk loop as a cp.async pipeline with that many stages
-    (capped at the chunk count); 0 unrolls it."""
+    (capped at the chunk count); 0 unrolls it. ``pdl``: the next kernel on the stream, launched as
+    a programmatic dependent (``csrc_triton/pdl.py``), may launch as this one starts."""
     M, K = x.shape
     N = w.shape[0]
     if M == 0:
@@ -121,6 +127,7 @@ def gemv_launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, launch: Gem
         BLOCK_K=block_k,
         CHUNKS=chunks,
         COPY_STAGES=min(launch.copy_stages, chunks),  # never more stages than chunks
+        PDL=pdl,
         num_warps=launch.num_warps,
         num_stages=1,
         **({"maxnreg": launch.maxnreg} if launch.maxnreg else {}),

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from csrc_triton import cdiv
+from csrc_triton.pdl import launch_options, wait_for_primary
 
 
 class Scoring(enum.IntEnum):
@@ -233,7 +234,8 @@ def _route_logits_kernel(logits_ptr, stride_lm, bias_ptr, weights_ptr, ids_ptr, 
                          ROWS: tl.constexpr, N_EXPERTS: tl.constexpr, N_GROUP: tl.constexpr,
                          TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, GROUPS_P: tl.constexpr,
                          GROUP_P: tl.constexpr, K_P: tl.constexpr, SCORING: tl.constexpr,
-                         BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):  # fmt: skip
+                         BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    wait_for_primary(PDL)  # launched early (PDL): the logits are complete only past this
     route_rows(logits_ptr, stride_lm, bias_ptr, weights_ptr, ids_ptr, stride_om, tl.program_id(0) * ROWS,
                M, scaling, ROWS, N_EXPERTS, N_GROUP, TOPK_GROUP, TOP_K, GROUPS_P, GROUP_P, K_P, SCORING,
                BIAS, RENORMALIZE, False)  # fmt: skip
@@ -273,10 +275,12 @@ def route_logits(
     bias: torch.Tensor | None,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    pdl: bool = False,
 ) -> None:
     """Route every row of ``logits`` [M, N] (any float dtype, unit stride along N) into ``weights``
     [M, top_k] fp32 and ``ids`` [M, top_k] int32 (same row stride). ``bias`` [N] when
-    ``routing.bias``."""
+    ``routing.bias``. ``pdl``: launched as a programmatic dependent of the kernel that writes
+    ``logits`` (``csrc_triton/pdl.py``): it waits for that kernel's writes before reading."""
     m, n = logits.shape
     if m == 0:
         return
@@ -293,5 +297,7 @@ def route_logits(
         float(routing.routed_scaling_factor),
         ROWS=rows,
         **routing_constexprs(n, routing),
+        PDL=pdl,
         num_warps=ROUTE_WARPS,
+        **launch_options(pdl),
     )

@@ -183,17 +183,20 @@ def test_fused_router_is_the_gemv_then_the_routing_kernel(gen, name, m, launch):
 
 @pytest.mark.parametrize("m", [1, 3, 16, 80])
 @pytest.mark.parametrize("mode", ["fp32", "bf16-fp32out"])
-def test_dispatch_fuses_decode_and_routes_larger_batches_after_the_gemm(gen, monkeypatch, m, mode):
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_dispatch_routes_after_the_chosen_gemm_or_in_one_launch(gen, monkeypatch, m, mode, one_launch):
+    """The router GEMM the choice picks, then the routing kernel; with ``fused`` the decode GEMV and
+    the routing in one launch. Either way the experts are fp64's."""
     n, routing, cfg = ROUTINGS["deepseek-v3"]
     calls = []
     real = fused.route_gemv_launch
     monkeypatch.setattr(fused, "route_gemv_launch", lambda *a: calls.append(a[-1]) or real(*a))
     bias = _bias(gen, n, routing)
     x, w = _fused_inputs(gen, m, 512, n, torch.float32 if mode == "fp32" else torch.bfloat16)
-    weights, ids, logits = route_cuda(x, w, Precision(mode), routing, bias, batch_invariant=False)
+    weights, ids, logits = route_cuda(x, w, Precision(mode), routing, bias, False, fused=one_launch)
     assert logits.dtype == torch.float32 and logits.shape == (m, n)
     gemv = isinstance(choice.choose(Problem.of(x, w, Precision(mode))), GemvLaunch)
-    assert bool(calls) == gemv and (gemv or m > 1), f"fused launches: {calls}"
+    assert bool(calls) == (gemv and one_launch) and (gemv or m > 1), f"fused launches: {calls}"
     _assert_routes_as_fp64(ids, weights, x.double().cpu() @ w.double().cpu().T, cfg, bias)
 
 
