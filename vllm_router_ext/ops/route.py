@@ -13,7 +13,7 @@ import torch
 
 from csrc_triton.dispatch import check_weight_terms, route_cuda
 from csrc_triton.routing import Routing, Scoring
-from vllm_router_ext.ops.router_gemm import KERNEL_PRECISION, check_router_gemm_inputs
+from vllm_router_ext.ops.router_gemm import KERNEL_PRECISION, check_router_gemm_inputs, register_op
 from vllm_router_ext.ops.router_gemm_torch import router_gemm_torch
 from vllm_router_ext.precision import RouterPrecision
 
@@ -138,22 +138,14 @@ def _route_fake(x, weight, bias, precision, batch_invariant, weight_terms, top_k
     )
 
 
-def _register() -> None:
-    if hasattr(torch.ops.router_ext, "route"):
-        return
-    lib = torch.library.Library("router_ext", "FRAGMENT")
-    lib.define(
-        "route(Tensor x, Tensor weight, Tensor? bias, str precision, bool batch_invariant, "
-        "Tensor? weight_terms, int top_k, int scoring, int n_group, int topk_group, bool renormalize, "
-        "float routed_scaling_factor) -> (Tensor, Tensor, Tensor)"
-    )
-    lib.impl("route", _route_cpu, "CPU")
-    lib.impl("route", _route_cuda, "CUDA")
-    torch.library.register_fake("router_ext::route", _route_fake, lib=lib)
-    _LIBS.append(lib)  # a Library deregisters its ops when garbage-collected
-
-
-_LIBS: list[torch.library.Library] = []
-_register()
+register_op(
+    "route",
+    "(Tensor x, Tensor weight, Tensor? bias, str precision, bool batch_invariant, Tensor? weight_terms, "
+    "int top_k, int scoring, int n_group, int topk_group, bool renormalize, float routed_scaling_factor) "
+    "-> (Tensor, Tensor, Tensor)",
+    _route_cpu,
+    _route_cuda,
+    _route_fake,
+)
 
 __all__ = ["Routing", "Scoring", "check_route_inputs", "route", "route_torch"]

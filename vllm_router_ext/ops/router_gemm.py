@@ -9,6 +9,8 @@ kernel library (``csrc_triton``) its typed :class:`~csrc_triton.problem.Precisio
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from csrc_triton.dispatch import check_weight_terms, fp32_weight_terms, router_gemm_cuda
@@ -119,21 +121,26 @@ def _router_gemm_fake(
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=_logits_dtype(x, precision))
 
 
-def _register() -> None:
-    if hasattr(torch.ops.router_ext, "router_gemm"):
+def register_op(name: str, schema: str, cpu: Callable, cuda: Callable, fake: Callable) -> None:
+    """Register ``torch.ops.router_ext.<name>`` (``schema``: its arguments and results) with its
+    CPU, CUDA and fake implementations, once per process."""
+    if hasattr(torch.ops.router_ext, name):
         return
     lib = torch.library.Library("router_ext", "FRAGMENT")
-    lib.define(
-        "router_gemm(Tensor x, Tensor weight, str precision, bool batch_invariant, "
-        "Tensor? weight_terms=None) -> Tensor"
-    )
-    lib.impl("router_gemm", _router_gemm_cpu, "CPU")
-    lib.impl("router_gemm", _router_gemm_cuda, "CUDA")
-    torch.library.register_fake("router_ext::router_gemm", _router_gemm_fake, lib=lib)
+    lib.define(f"{name}{schema}")
+    lib.impl(name, cpu, "CPU")
+    lib.impl(name, cuda, "CUDA")
+    torch.library.register_fake(f"router_ext::{name}", fake, lib=lib)
     _LIBS.append(lib)  # a Library deregisters its ops when garbage-collected
 
 
 _LIBS: list[torch.library.Library] = []
-_register()
+register_op(
+    "router_gemm",
+    "(Tensor x, Tensor weight, str precision, bool batch_invariant, Tensor? weight_terms=None) -> Tensor",
+    _router_gemm_cpu,
+    _router_gemm_cuda,
+    _router_gemm_fake,
+)
 
 __all__ = ["check_router_gemm_inputs", "check_weight_terms", "fp32_weight_terms", "router_gemm"]
