@@ -175,12 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--m", default=",".join(map(str, MS)), help="comma-separated token counts")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the methods taking turns (median)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("router_stage: needs a CUDA GPU (this machine has none)")
-        return 2
     bad = [s for s in args.shapes.split(",") if s not in SHAPES]
     if bad:
         print(f"router_stage: unknown shape {bad[0]!r}; allowed: {', '.join(SHAPES)}")
+        return 2
+    if not torch.cuda.is_available():
+        print("router_stage: needs a CUDA GPU (this machine has none)")
         return 2
     topk, note = vllm_topk()
     print(note)

@@ -71,6 +71,19 @@ def test_bench_and_tune_help():
         assert p.returncode == 0 and "--out" in p.stdout, p.stderr
 
 
+def test_router_stage_benchmark_refuses_in_one_line(tmp_path):
+    """A bad shape is named with the allowed ones before anything runs; without a GPU the
+    router-stage benchmark says so in one line. Both exit 2."""
+    script = [sys.executable, str(REPO / "benchmarks" / "router_stage.py"), "--out", str(tmp_path)]
+    p = subprocess.run([*script, "--shapes", "Nope"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2
+    assert p.stdout.strip() == "router_stage: unknown shape 'Nope'; allowed: DeepSeek-V3, Kimi-K2, Qwen3-MoE"
+    if not torch.cuda.is_available():
+        p = subprocess.run(script, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2
+        assert p.stdout.strip() == "router_stage: needs a CUDA GPU (this machine has none)"
+
+
 def test_tuner_batch_invariant_candidates_are_well_formed():
     """Every K structure the tuner compares: its reference is the first tile, each candidate holds
     whole promotions per split, and every tuned M has a candidate."""
