@@ -37,7 +37,17 @@ def router_gemm_cuda(
     problem = Problem.of(x, weight, precision, batch_invariant, weight_terms is not None)
     if problem.m == 0:
         return torch.empty((0, problem.n), dtype=problem.logits_dtype, device=x.device)
-    launch = choice.choose(problem)
+    return _gemm(choice.choose(problem), problem, x, weight, weight_terms)
+
+
+def _gemm(
+    launch: KernelLaunch,
+    problem: Problem,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_terms: torch.Tensor | None,
+) -> torch.Tensor:
+    """The logits of ``launch``, the choice for ``problem`` (M > 0)."""
     if isinstance(launch, CublasLaunch):
         return _cublas(x, weight, problem.logits_dtype)
     out = torch.empty((problem.m, problem.n), dtype=problem.logits_dtype, device=x.device)
@@ -69,7 +79,9 @@ def route_cuda(
     weights = torch.empty((m, routing.top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((m, routing.top_k), dtype=torch.int32, device=x.device)
     problem = Problem.of(x, weight, precision, batch_invariant, weight_terms is not None)
-    launch = choice.choose(problem) if m else None
+    if m == 0:
+        return weights, ids, torch.empty((0, problem.n), dtype=problem.logits_dtype, device=x.device)
+    launch = choice.choose(problem)  # once: the GEMM below runs this launch
     pdl = pdl_enabled(x.device)
     if isinstance(launch, GemvLaunch):
         logits = torch.empty((m, problem.n), dtype=problem.logits_dtype, device=x.device)
@@ -80,7 +92,7 @@ def route_cuda(
             return weights, ids, logits
         launch_exactly(launch, x, weight, logits, pdl=pdl)
     else:
-        logits = router_gemm_cuda(x, weight, precision, batch_invariant, weight_terms)
+        logits = _gemm(launch, problem, x, weight, weight_terms)
     route_logits(logits, routing, bias, weights, ids, pdl)
     return weights, ids, logits
 

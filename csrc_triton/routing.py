@@ -72,18 +72,15 @@ class RouteShape:
     """The padded register layout of one routing: ``groups_p`` x ``group_p`` per token, ``k_p``
     output slots (powers of two, as Triton's blocks need)."""
 
-    group_size: int
     groups_p: int
     group_p: int
     k_p: int
 
     @classmethod
     def of(cls, n_experts: int, routing: Routing) -> RouteShape:
-        group_size = n_experts // routing.n_group
         return cls(
-            group_size,
             triton.next_power_of_2(routing.n_group),
-            triton.next_power_of_2(group_size),
+            triton.next_power_of_2(n_experts // routing.n_group),
             triton.next_power_of_2(routing.top_k),
         )
 
