@@ -9,9 +9,11 @@ M the methods take turns, in a rotated order each round; the median over rounds)
   programmatic dependent launch (Hopper);
 - ``ours fused, one launch``: decode's GEMV and the routing in one launch (larger M as the op);
 - ``ours GEMM + routing, plain launches``: ``router_gemm`` then the routing kernel, no PDL;
-- ``ours GEMM + vLLM top-k`` and ``stock (vLLM)``: with vLLM importable, vLLM's routing kernel
-  (``grouped_topk``'s fused CUDA kernel for sigmoid + bias, ``fused_topk`` for softmax) on our fp32
-  logits, and on the bf16 logits of stock's GEMM (cuBLAS ``F.linear`` in bf16);
+- ``ours GEMM + vLLM top-k`` and ``stock (vLLM)``: with vLLM importable, the router vLLM builds
+  for the routing (its factory, the model's arguments; ``select_experts``: the grouped top-k CUDA
+  kernel for DeepSeek-V3, ``fused_topk_bias`` for Kimi-K2's one group, ``fused_topk`` for softmax)
+  on our fp32 logits, and on the bf16 logits of stock's GEMM (``F.linear`` in bf16, the gate
+  DeepSeek-V3's ``GateLinear`` runs without ``moe_router_dtype``);
 - ``cuBLAS bf16 GEMM``: stock's GEMM alone, the stage's lower bound without fusion.
 Writes ``router_stage.json`` and ``router_stage.png``; prints one table per shape with each
 method's time and its ratio to stock (or, without vLLM, to the cuBLAS GEMM alone).
@@ -63,22 +65,38 @@ PLAIN = "ours GEMM + routing, plain launches"
 
 
 def vllm_topk() -> tuple[Callable | None, str]:
-    """vLLM's routing kernel on logits, ``fn(x, logits, routing, bias) -> (weights, ids)``, or None
-    and why."""
+    """vLLM's router for a routing, built by vLLM's own factory with the arguments DeepSeek-V3 /
+    Kimi-K2 / Qwen3-MoE's ``FusedMoE`` passes, as ``fn(x, logits, routing, bias) -> (weights, ids)``;
+    or None and why."""
     try:
-        from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
-        from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import fused_grouped_topk
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.model_executor.layers.fused_moe.router.router_factory import create_fused_moe_router
     except Exception as e:  # noqa: BLE001 -- any import failure means "not here"
         return None, f"vLLM's top-k skipped: vLLM is not importable ({type(e).__name__}: {e})"
+    routers: dict[tuple, object] = {}
+
+    def router_for(routing: Routing, n: int, bias: torch.Tensor | None):
+        key = (routing, n, None if bias is None else bias.data_ptr())
+        if key not in routers:
+            grouped = routing.scoring is Scoring.SIGMOID  # the DeepSeek-V3 family's FusedMoE
+            with set_current_vllm_config(VllmConfig()):
+                routers[key] = create_fused_moe_router(
+                    top_k=routing.top_k,
+                    global_num_experts=n,
+                    renormalize=routing.renormalize,
+                    use_grouped_topk=grouped,
+                    num_expert_group=routing.n_group if grouped else None,
+                    topk_group=routing.topk_group if grouped else None,
+                    scoring_func="sigmoid" if routing.scoring is Scoring.SIGMOID else "softmax",
+                    routed_scaling_factor=routing.routed_scaling_factor,
+                    e_score_correction_bias=bias,
+                )
+        return routers[key]
 
     def fn(x: torch.Tensor, logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None):
-        if routing.scoring is Scoring.SIGMOID and bias is not None:
-            r = routing
-            return fused_grouped_topk(x, logits, r.top_k, r.renormalize, bias, r.n_group, r.topk_group,
-                                      "sigmoid", r.routed_scaling_factor)  # fmt: skip
-        return fused_topk(x, logits, routing.top_k, routing.renormalize)[:2]
+        return router_for(routing, logits.shape[1], bias).select_experts(x, logits)
 
-    return fn, "vLLM's top-k: fused_grouped_topk (sigmoid + bias), fused_topk (softmax)"
+    return fn, "vLLM's top-k: the router vLLM's create_fused_moe_router builds for the routing"
 
 
 def methods(topk: Callable | None) -> dict[str, Callable]:
