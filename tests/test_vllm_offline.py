@@ -203,12 +203,18 @@ def test_batch_invariant_request_reaches_gates_and_passes_the_startup_check(tiny
     assert "batch-invariant on (from additional_config['router_batch_invariant'])" in line
 
 
-@pytest.mark.parametrize("mode", ["fp32"])  # on CPU every fp32-output mode is the same function
-def test_torch_compile_mode(tiny_model, run_offline, mode):
-    """vLLM's default (compiled) mode: the gate traces into torch.compile and serves requests.
-    (Forward hooks added after compilation do not fire inside the compiled graph, so the numbers
-    are checked by the eager tests above; here: it compiles, runs our gate in the mode, generates.)"""
-    result = run_offline(tiny_model, additional_config={"router_precision": mode}, compile=True)
+@pytest.mark.parametrize("fused", ["off", "on"])
+def test_torch_compile_mode(tiny_model, run_offline, fused):
+    """vLLM's default (compiled) mode: the gate (or the fused router's op) traces into torch.compile
+    and serves requests. (Hooks added after compilation do not fire inside the compiled graph, so the
+    numbers are checked by the eager tests; here: it compiles, runs our gate in fp32, generates; on
+    CPU every fp32-output mode is the same function.)"""
+    mode = "fp32"
+    extra = {"router_precision": mode, "router_fused": fused}
+    result = run_offline(tiny_model, additional_config=extra, compile=True)
+    (line,) = [ln for ln in result["log"].splitlines() if "vllm-router-ext: router precision" in ln]
+    kept = "vLLM's router on our logits in 1 layer(s): --router-fused off"
+    assert line.endswith("fused router (router_ext::route) in 1 layer(s)" if fused == "on" else kept), line
     (g,) = result["gates"][0]
     assert g["class"] == "RouterGateLinear" and g["precision"] == mode and g["out_dtype"] == "torch.float32"
     assert all(len(t) > 0 for t in result["texts"])
@@ -216,6 +222,17 @@ def test_torch_compile_mode(tiny_model, run_offline, mode):
     # a cache, loaded).
     compiled = ("Warming up model for the compilation", "saved AOT compiled function", "Directly load AOT")
     assert any(line in result["log"] for line in compiled), "the model was not compiled"
+
+
+def test_the_fused_router_routes_the_model_like_fp64(tiny_model, run_offline):
+    """``router_fused: on``: the MoE layer routes with one op of ours (GEMM, scores, grouped top-k);
+    the tokens it saw and its logits match fp64, and the experts it hands vLLM's experts are fp64's
+    on every non-tied token; the precision line says which router runs."""
+    result = run_offline(tiny_model, additional_config={"router_precision": "fp32", "router_fused": "on"})
+    assert all(len(t) > 0 for t in result["texts"])
+    _check_gate_records(result, tiny_model, "fp32")
+    (line,) = [ln for ln in result["log"].splitlines() if "vllm-router-ext: router precision" in ln]
+    assert line.endswith("routing: fused router (router_ext::route) in 1 layer(s)"), line
 
 
 @pytest.mark.parametrize(

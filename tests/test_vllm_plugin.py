@@ -527,6 +527,7 @@ def test_the_settings_table_declares_every_key_flag_and_variable_the_code_reads(
 
     read = {precision.CONFIG_KEY, precision.CLI_CONFIG_KEY, precision.BATCH_INVARIANT_KEY,
             precision.CLI_BATCH_INVARIANT_KEY, precision.DRAFT_CONFIG_KEY, precision.CLI_DRAFT_CONFIG_KEY,
+            precision.FUSED_KEY, precision.CLI_FUSED_KEY,
             capture.DIR_KEY, capture.CLI_DIR_KEY, capture.TOKENS_KEY, capture.CLI_TOKENS_KEY,
             capture.MEMORY_LIMIT_KEY, capture.CLI_MEMORY_LIMIT_KEY, precision.CHECKED_KEY}  # fmt: skip
     assert read == KEYS

@@ -32,6 +32,8 @@ from vllm_router_ext.precision import (
     CLI_BATCH_INVARIANT_KEY,
     CLI_CONFIG_KEY,
     CLI_DRAFT_CONFIG_KEY,
+    CLI_FUSED_KEY,
+    FUSED_CHOICES,
     RouterPrecision,
     draft_choices,
 )
@@ -109,6 +111,15 @@ def add_router_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="Make router logits bitwise independent of the batch. Default: off, or on with "
         "VLLM_BATCH_INVARIANT=1 (which --no-router-batch-invariant does not override).%(default).0s",
     )
+    group.add_argument(
+        "--router-fused",
+        choices=FUSED_CHOICES,
+        default=None,
+        help="Route each MoE layer with one op of ours (the gate GEMM, the scores and the top-k) instead "
+        "of vLLM's router on our logits. auto (default): on where it is faster (docs/benchmarks.md); "
+        "on: everywhere vLLM's router allows it (else the start-up stops, naming why); off: vLLM's "
+        "router.%(default).0s",
+    )
     return parser
 
 
@@ -133,6 +144,8 @@ def apply_router_cli_args(engine_args: Any, args: argparse.Namespace) -> Any:
         updates[CLI_DRAFT_CONFIG_KEY] = args.router_precision_draft
     if getattr(args, "router_batch_invariant", None) is not None:
         updates[CLI_BATCH_INVARIANT_KEY] = bool(args.router_batch_invariant)
+    if getattr(args, "router_fused", None) is not None:
+        updates[CLI_FUSED_KEY] = args.router_fused
     if getattr(args, "router_capture", None) is not None:
         updates[CLI_DIR_KEY] = args.router_capture
     if getattr(args, "router_capture_tokens", None) is not None:

@@ -18,6 +18,10 @@ one of the modes or ``vllm`` (vLLM's own gate, as the draft was trained on); ``a
 
 Batch invariance: ``--router-batch-invariant`` / ``additional_config["router_batch_invariant"]`` /
 vLLM's ``VLLM_BATCH_INVARIANT=1``.
+
+The fused router (the gate GEMM and the expert selection in one op, ``router_ext::route``):
+``--router-fused`` / ``additional_config["router_fused"]``: ``on``, ``off`` or ``auto`` (on where it
+is faster than vLLM's router on our logits: :func:`vllm_router_ext.layers.router.fused_by_default`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ CLI_DRAFT_CONFIG_KEY = "router_precision_draft_cli"
 #: The draft precision's value for vLLM's own gate (no gate of ours in the draft).
 DRAFT_VLLM = "vllm"
 CLI_BATCH_INVARIANT_KEY = "router_batch_invariant_cli"
+FUSED_KEY = "router_fused"
+CLI_FUSED_KEY = "router_fused_cli"
+FUSED_CHOICES = ("auto", "on", "off")
 
 
 class RouterPrecision(str, enum.Enum):
@@ -111,6 +118,9 @@ class RouterSettings:
     model: str = "this model"
     #: A router capture records in our gates (at vLLM's own precision where none is set).
     captures: bool = False
+    #: The fused router: "on", "off", or "auto" (decided per device where the model is built).
+    fused: str = "auto"
+    fused_source: str = "default"
 
     @property
     def asked(self) -> tuple[str, ...]:
@@ -120,11 +130,13 @@ class RouterSettings:
             out.append(f"router precision {self.precision.value} (from {self.source})")
         if self.batch_invariant and self.batch_invariant_source != "VLLM_BATCH_INVARIANT=1":
             out.append(f"router batch invariance (from {self.batch_invariant_source})")
+        if self.fused == "on":
+            out.append(f"the fused router (from {self.fused_source})")
         return tuple(out)
 
     @property
     def owns_gates(self) -> bool:
-        return self.precision is not None or self.batch_invariant or self.captures
+        return self.precision is not None or self.batch_invariant or self.captures or self.fused == "on"
 
     def to_json(self) -> dict:
         """The settings as plain values (they travel in ``additional_config``)."""
@@ -135,6 +147,8 @@ class RouterSettings:
             "batch_invariant_source": self.batch_invariant_source,
             "overridden": [list(pair) for pair in self.overridden],
             "model": self.model,
+            "fused": self.fused,
+            "fused_source": self.fused_source,
         }
 
     @classmethod
@@ -147,6 +161,8 @@ class RouterSettings:
             batch_invariant_source=str(value["batch_invariant_source"]),
             overridden=tuple((str(s), str(v)) for s, v in value["overridden"]),
             model=str(value["model"]),
+            fused=str(value["fused"]),
+            fused_source=str(value["fused_source"]),
         )
 
     def describe(self) -> str:
@@ -256,6 +272,23 @@ def resolve_batch_invariant(
     return False, "default"
 
 
+def resolve_fused(*, cli: Any = None, additional_config: Any = None) -> tuple[str, str]:
+    """The fused router's setting (``auto``, ``on`` or ``off``) and its source; the flag wins."""
+    for source, raw in (("--router-fused", cli), (f"additional_config[{FUSED_KEY!r}]", additional_config)):
+        if raw is None:
+            continue
+        if isinstance(raw, bool):
+            raw = "on" if raw else "off"
+        value = raw.strip().lower() if isinstance(raw, str) else None
+        if value not in FUSED_CHOICES:
+            raise ValueError(
+                f"invalid router fused value {raw!r} from {source}; allowed: {', '.join(FUSED_CHOICES)}"
+            )
+        if value != "auto":
+            return value, source
+    return "auto", "default"
+
+
 def resolve_router_settings(vllm_config: Any, *, draft: bool | None = None) -> RouterSettings:
     """Resolve the settings for the model in a ``VllmConfig`` (duck-typed: no vLLM import): the
     ones checked where the engine started, where they travel with it, else from every source.
@@ -283,6 +316,7 @@ def resolve_router_settings(vllm_config: Any, *, draft: bool | None = None) -> R
         additional_config=extra.get(BATCH_INVARIANT_KEY),
         vllm_batch_invariant=environment.batch_invariant(),
     )
+    fused, fused_source = resolve_fused(cli=extra.get(CLI_FUSED_KEY), additional_config=extra.get(FUSED_KEY))
     arch = archs[0] if archs else None
     family = family_of(arch)
     own = resolve_draft_precision(
@@ -299,6 +333,8 @@ def resolve_router_settings(vllm_config: Any, *, draft: bool | None = None) -> R
         batch_invariant=batch_invariant,
         batch_invariant_source=bi_source,
         overridden=overridden,
+        fused=fused,
+        fused_source=fused_source,
     )
 
 

@@ -2,7 +2,8 @@
 command line, its environment variable, the values it takes and its default.
 
 :data:`SETTINGS` lists them (docs/troubleshooting.md shows the same table): the router precision,
-a draft's own precision, batch invariance, the router capture (directory, tokens, memory limit), and
+a draft's own precision, batch invariance, the fused router (the gate GEMM and the expert selection in
+one op), the router capture (directory, tokens, memory limit), and
 two kernel-level environment variables (the tuned table, PDL).
 
 A flag's value travels to every vLLM process as its key with ``_cli`` appended (it outranks the
@@ -36,6 +37,7 @@ SETTINGS: tuple[Setting, ...] = (
             "auto, fp32, bf16-fp32out, bf16, vllm", "auto: the target's"),
     Setting("router_batch_invariant", "--router-batch-invariant", "VLLM_BATCH_INVARIANT (vLLM's)",
             "true, false", "false"),
+    Setting("router_fused", "--router-fused", None, "auto, on, off", "auto: on where it is faster"),
     Setting("router_capture_dir", "--router-capture", "VLLM_ROUTER_CAPTURE_DIR",
             "a writable directory", "no capture"),
     Setting("router_capture_tokens", "--router-capture-tokens", "VLLM_ROUTER_CAPTURE_TOKENS",

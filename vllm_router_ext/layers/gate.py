@@ -254,11 +254,16 @@ class RouterGateMixin:
         logits = self.router_gemm(x, self.weight, self.router_weight_terms)
         if self._adds_bias:
             logits = (logits + self.bias.float()).to(self.out_dtype or x.dtype)
-        if self.router_capture is not None:
-            self._record(x, logits)
+        self.logits_seen(x, logits)
         if not self.return_bias:
             return logits
         return logits, (self.bias if self.skip_bias_add else None)
+
+    def logits_seen(self, x: torch.Tensor, logits: torch.Tensor) -> None:
+        """Every input and logits of this gate pass here, from its forward or from the fused
+        router's op (``layers.router``): the capture records them (taps wrap this method)."""
+        if self.router_capture is not None:
+            self._record(x, logits)
 
     def _record(self, x: torch.Tensor, logits: torch.Tensor) -> None:
         try:

@@ -126,6 +126,7 @@ class RouterPrecisionMixin:
             gate.router_model = weakref.ref(self)
         _refuse_unless_owned(self, settings, capture)
         _refuse_bypassed_gates(self, settings, arch)
+        self._router_fused = _install_fused_routers(self, settings)
         if capture is not None:
             _attach_capture(self, vllm_config, settings, capture)
 
@@ -168,6 +169,7 @@ class RouterPrecisionMixin:
             key = (g.router_settings, g.weight.dtype, g.weight.device, g.router_weight_kept_bf16)
             by_settings.setdefault(key, []).append(g)
         cls = type(self).__name__
+        routing = self._router_fused.describe() if self._router_fused is not None else "vLLM's router"
         for (settings, wdtype, _device, kept_bf16), group in by_settings.items():
             weight_note = str(wdtype).replace("torch.", "")
             if settings.precision is RouterPrecision.FP32:
@@ -176,14 +178,26 @@ class RouterPrecisionMixin:
             named = settings.model == cls or settings.model.endswith(f"({cls})")
             where = settings.model if named else f"{settings.model} (class {cls})"
             logger.info(
-                "vllm-router-ext: %s; %d gate(s) in %s; weight %s; logits %s; implementation: %s",
+                "vllm-router-ext: %s; %d gate(s) in %s; weight %s; logits %s; implementation: %s; "
+                "routing: %s",
                 settings.describe(),
                 len(group),
                 where,
                 weight_note,
                 "float32" if settings.precision.logits_dtype == torch.float32 else "model dtype",
                 describe_implementation(settings, group[0].weight),
+                routing,
             )
+
+
+def _install_fused_routers(model: torch.nn.Module, settings: RouterSettings):
+    """The fused router in the MoE layers that hold a gate of ours (its report; None: no gate)."""
+    from vllm_router_ext.layers.router import install_fused_routers
+
+    gates = router_gates(model)
+    if not gates:
+        return None
+    return install_fused_routers(model, settings, gates[0].weight.device)
 
 
 #: What a built model says when a path of :data:`BYPASSES` is on: an attribute of the block that

@@ -57,7 +57,16 @@ def install_gate_recorders(model: torch.nn.Module) -> int:
     n = 0
     gate_names = {name for name, _ in _gates(model)}
     for name, m in model.named_modules():
-        if name in gate_names:
+        if name in gate_names and hasattr(m, "logits_seen"):  # ours: its forward and the fused router's op
+
+            def logits_seen(x, logits, _orig=m.logits_seen, name=name):
+                _orig(x, logits)
+                records.append({"kind": "gate", "name": name, "x": x.detach().cpu().clone(),
+                                "logits": logits.detach().cpu().clone()})  # fmt: skip
+
+            m.logits_seen = logits_seen
+            n += 1
+        elif name in gate_names:
 
             def hook(mod, args, output, name=name):
                 logits = output[0] if isinstance(output, tuple) else output

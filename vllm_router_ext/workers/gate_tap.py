@@ -52,7 +52,7 @@ def _(x, logits, xs, logits_buf, state, sizes) -> None:
 
 
 _init = RouterGateLinear.__init__
-_forward = RouterGateLinear.forward
+_logits_seen = RouterGateLinear.logits_seen
 
 
 def _tapped_init(self: RouterGateLinear, *args: Any, **kwargs: Any) -> None:
@@ -74,18 +74,15 @@ def _tapped_init(self: RouterGateLinear, *args: Any, **kwargs: Any) -> None:
     )
 
 
-def _tapped_forward(self: RouterGateLinear, x: torch.Tensor):
-    out = _forward(self, x)
-    if self.router_settings is not None:
-        logits = out[0] if isinstance(out, tuple) else out
-        torch.ops.router_ext_gate_tap.tap(
-            x, logits, self._tap_x, self._tap_logits, self._tap_state, self._tap_sizes
-        )
-    return out
+def _tapped_logits_seen(self: RouterGateLinear, x: torch.Tensor, logits: torch.Tensor) -> None:
+    """Every input and logits of an owned gate: its forward's, or the fused router's."""
+    _logits_seen(self, x, logits)
+    tap_buffers = (self._tap_x, self._tap_logits, self._tap_state, self._tap_sizes)
+    torch.ops.router_ext_gate_tap.tap(x, logits, *tap_buffers)
 
 
 RouterGateLinear.__init__ = _tapped_init
-RouterGateLinear.forward = _tapped_forward
+RouterGateLinear.logits_seen = _tapped_logits_seen
 
 
 def _gates(worker: Any) -> dict[str, RouterGateLinear]:
