@@ -35,3 +35,26 @@ def test_tap_appends_rows_while_on_and_drops_past_capacity(compiled):
     want_x = torch.cat([b[0] for b in batches[1:]])[:10]
     want_l = torch.cat([b[1] for b in batches[1:]])[:10]
     assert torch.equal(xs[:10], want_x) and torch.equal(lbuf[:10], want_l)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_fused_routers_ids_land_beside_their_rows(compiled):
+    """``tap_ids`` after ``tap``: each call's expert ids at the rows its logits took, nothing while
+    off, nothing past capacity (the discard row), columns past top_k untouched."""
+    xs, lbuf, state, sizes = _buffers(rows=10, calls=4)
+    ids_buf = torch.full((11, 6), -1, dtype=torch.int32)
+
+    def call(x, logits, ids):
+        torch.ops.router_ext_gate_tap.tap(x, logits, xs, lbuf, state, sizes)
+        torch.ops.router_ext_gate_tap.tap_ids(ids, ids_buf, state)
+
+    fn = torch.compile(call, backend="eager", fullgraph=True) if compiled else call
+    batches = [(torch.randn(m, 8).to(torch.bfloat16), torch.randn(m, 4), torch.randint(0, 64, (m, 4)))
+               for m in (3, 5, 4, 2)]  # fmt: skip
+    fn(*batches[0])  # off: into the discard row only
+    assert (ids_buf[:10] == -1).all()
+    state[0] = 1
+    for batch in batches[1:]:
+        fn(*batch)
+    want = torch.cat([b[2] for b in batches[1:]])[:10].int()
+    assert torch.equal(ids_buf[:10, :4], want) and (ids_buf[:10, 4:] == -1).all()

@@ -101,6 +101,7 @@ SPECS: dict[str, Spec] = {
     "v3-fp32": Spec("deepseek-v3", ("--router-precision", "fp32")),
     "v3-bf16-fp32out": Spec("deepseek-v3", ("--router-precision", "bf16-fp32out"), "bf16-fp32out"),
     "v3-bf16": Spec("deepseek-v3", ("--router-precision", "bf16"), "bf16"),
+    "v3-fused": Spec("deepseek-v3", ("--router-precision", "fp32", "--router-fused", "on")),
     # The FP8 release's layout; DeepGEMM off: its first start JIT-compiles for minutes.
     "v3-fp8": Spec("deepseek-v3", fp8=True, env={"VLLM_USE_DEEP_GEMM": "0"}),
     "kimi-k2": Spec("kimi-k2"),
@@ -143,7 +144,8 @@ SPECS: dict[str, Spec] = {
 #: Served with vLLM's JIT monitor logging every compile after its warm-up (where vLLM has it).
 #: Not its error mode: vLLM's own fused-MoE Triton kernel compiles per new batch size on these
 #: tiny experts (measured on vLLM 0.34.0), and that would kill the engine before ours are judged.
-JIT_CHECKED = ["v3-fp32", "v3-bf16-fp32out", "v3-router-batch-invariant", "kimi-k2", "minimax-m2", "v3-mtp"]
+JIT_CHECKED = ["v3-fp32", "v3-fused", "v3-bf16-fp32out", "v3-router-batch-invariant", "kimi-k2", "minimax-m2",
+               "v3-mtp"]  # fmt: skip
 DSA = ("deepseek-v3.2", "glm-5")  # sparse attention: vLLM's indexer kernels and graph mode differ
 SERVED = [s for s in SPECS if s != "v3-capture"]
 TAPPED = SERVED
@@ -309,7 +311,10 @@ def test_gate_logits_inside_the_served_model_match_fp64(servers, spec, tmp_path)
     # DeepSeek's routing is replayed from the config; another family's logits are checked alone.
     routing = None if SPECS[spec].model in FAMILY_PRESETS else RoutingConfig.from_hf_config(cfg)
     assert {n.split(":")[0] for n in taps} == ({"target", "draft"} if SPECS[spec].mtp else {"target"})
+    fused = any("routing: fused router" in ln for ln in precision_lines(server.log()))
     for name, t in taps.items():
+        if fused and name.startswith("target:") and not t.get("hash_routed"):
+            assert (t["ids"][:, 0] >= 0).any(), (name, "the fused router's picks were not tapped")
         judge_tapped_gate(name, t, SPECS[spec].expect_of(name), routing)
 
 
@@ -334,7 +339,12 @@ def judge_tapped_gate(name: str, t: dict, expect: str, routing: RoutingConfig | 
     starts = [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]
     assert real[starts].all(), (name, "a call starting with a non-finite row")
     assert real.float().mean() >= 0.9 and not torch.isfinite(logits[~real]).all(-1).any(), name
-    x, logits = x[real], logits[real]
+    picked = t["ids"][:, : routing.top_k] if routing is not None else t["ids"][:, :0]
+    fused = picked.shape[1] > 0 and bool((picked[:, 0] >= 0).any())
+    if fused:  # the fused router picked: every row it saw has its experts, distinct and valid
+        assert (picked[:, 0] >= 0).all() and (picked < t["weight"].shape[0]).all(), name
+        assert (picked.sort(-1).values.diff(dim=-1) > 0).all(), (name, "repeated experts")
+    x, logits, picked = x[real], logits[real], picked[real]
     assert torch.isfinite(logits).all(), (name, "non-finite logits of a finite input")
     ref = reference_logits(x, t["weight"])
     if t.get("linear_bias") is not None:
@@ -348,6 +358,9 @@ def judge_tapped_gate(name: str, t: dict, expect: str, routing: RoutingConfig | 
         ties = near_tie_mask(ref, routing, t["bias"], 1e-5 * ref.abs().max().item() / 4 + 1e-7)
         same = (ids == ref_ids).all(dim=-1)
         assert same[~ties].all() and ties.float().mean() <= 0.05, (name, int((~same).sum()))
+        if fused:  # the experts the fused router handed vLLM's experts: fp64's
+            same = (picked.long().sort(-1).values == ref_ids).all(dim=-1)
+            assert same[~ties].all(), (name, "fused router", int((~same).sum()))
 
 
 @pytest.mark.parametrize("spec", ["v3-fp32"])
@@ -514,7 +527,8 @@ def test_no_router_kernel_compiles_after_the_warm_up(servers, spec):
         assert r.status == 200
     log = server.log()
     compiled = [ln for ln in log.splitlines() if "JIT compilation during inference" in ln]
-    ours = ("_gemv_kernel", "_splitk_", "_tiled_kernel", "_wgmma_ws_kernel")
+    ours = ("_gemv_kernel", "_splitk_", "_tiled_kernel", "_wgmma_ws_kernel", "_route_logits_kernel",
+            "_route_gemv")  # fmt: skip
     assert "Kernel JIT monitor activated" in log
     assert not [ln for ln in compiled if any(k in ln for k in ours)], compiled[:5]
     warmed = [ln for ln in log.splitlines() if "warmed the router kernels" in ln]

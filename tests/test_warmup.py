@@ -165,9 +165,10 @@ def test_a_gate_of_ours_warms_its_kernels_once_its_weight_is_final(vllm_dist, mo
     gate.weight_loader(gate.weight, (torch.randn(8, 64, generator=gen) / 8).to(torch.bfloat16))
     gate.quant_method.process_weights_after_loading(gate)
     assert len(calls) == 1
-    weight, precision, batch_invariant, x_dtype, max_m, terms = calls[0]
+    weight, precision, batch_invariant, x_dtype, max_m, terms, routing = calls[0]
     assert weight is gate.weight and precision is RouterPrecision.FP32 and batch_invariant
     assert x_dtype == torch.bfloat16 and max_m >= 3000 and terms is None
+    assert routing is None  # no fused router routes this gate's layer
     stock = _gate()  # outside the scope: vLLM's own method, no warm-up of ours
     # vLLM's CPU path packs the weight with a kernel a CUDA wheel lacks on some hosts: not ours.
     cpu_pack = "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"

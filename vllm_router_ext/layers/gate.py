@@ -145,6 +145,8 @@ class RouterGateMixin:
         # fp32 mode, fp32 weight: its three bf16 terms (made when the weight is loaded) for the
         # large-M GEMM on CUDA. Not a checkpoint tensor.
         self.router_weight_terms: torch.Tensor | None = None
+        # Set where the fused router routes this gate's layer (layers.router): warmed with it.
+        self.router_fused_routing = None
         # Our op owns every token count: switch off every GEMM tier this GateLinear has (each is
         # an ``allow_*`` flag), also those a later vLLM adds. ``forward`` never calls GateLinear's
         # tiers either; the flags keep anything that reads them (weight processing) off too.
@@ -199,6 +201,7 @@ class RouterGateMixin:
             self._router_x_dtype,
             self._router_max_tokens,
             self.router_weight_terms,
+            self.router_fused_routing,
         )
 
     def set_out_dtype(self, out_dtype: torch.dtype) -> None:

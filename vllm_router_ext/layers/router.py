@@ -195,6 +195,7 @@ def install_fused_routers(
             kept[found] = kept.get(found, 0) + 1
             continue
         runner.router = FusedGateRouter(gate, found, router)
+        gate.router_fused_routing = found  # the warm-up runs its route launches too
         runner.gate = HandsThrough(gate, runner)
         fused += 1
     return FusedReport(fused, kept)

@@ -6,7 +6,9 @@ records whether it is divisible by 16. Every integer the launchers pass is the t
 fixed size of the gate, or a product of the two, so M == 1 and M mod 16 decide them all. For a gate,
 :func:`warmup_sizes` names one M for each (launch, M == 1, M mod 16) class that any M from 1 to the
 engine's largest step falls in; :func:`warm_up_gate` runs the op once at each, which compiles (or
-loads from Triton's cache) every variant serving can reach. vLLM arms its JIT monitor
+loads from Triton's cache) every variant serving can reach; a gate routed by the fused router runs
+``route`` there too (its GEMM launches as a programmatic primary, then the routing kernel: other
+variants). vLLM arms its JIT monitor
 (``--jit-monitor-mode``) only after the model is loaded, so nothing compiles after that.
 """
 
@@ -20,6 +22,7 @@ import torch
 
 from csrc_triton import choice, tables
 from csrc_triton.problem import Problem
+from csrc_triton.routing import Routing
 from vllm_router_ext.precision import RouterPrecision
 
 # Under "vllm." so that, inside vLLM, its handlers and format apply (no vLLM import here).
@@ -66,6 +69,7 @@ class GateSignature:
     x_dtype: torch.dtype
     weight_dtype: torch.dtype
     weight_terms: bool
+    routing: Routing | None
 
 
 _WARMED: set[GateSignature] = set()
@@ -78,17 +82,20 @@ def warm_up_gate(
     x_dtype: torch.dtype,
     max_m: int,
     weight_terms: torch.Tensor | None = None,
+    routing: Routing | None = None,
 ) -> int:
-    """Run the router op once per :func:`warmup_sizes` M for this gate (CUDA only; once per
-    process for each distinct gate); the number of launches run."""
+    """Run the router op (and ``route`` with ``routing``: the fused router's) once per
+    :func:`warmup_sizes` M for this gate (CUDA only; once per process for each distinct gate); the
+    number of sizes run."""
     if not weight.is_cuda or max_m < 1:
         return 0
     sig = GateSignature(
         weight.device.index or 0, weight.shape[1], weight.shape[0], precision, batch_invariant,
-        x_dtype, weight.dtype, weight_terms is not None,
+        x_dtype, weight.dtype, weight_terms is not None, routing,
     )  # fmt: skip
     if sig in _WARMED:
         return 0
+    from vllm_router_ext.ops.route import route
     from vllm_router_ext.ops.router_gemm import router_gemm
 
     start = time.perf_counter()
@@ -97,18 +104,23 @@ def warm_up_gate(
         problem = Problem.of(x_template, weight, precision.kernel, batch_invariant, sig.weight_terms)
         sizes = warmup_sizes(problem, max_m)
         x = torch.zeros((sizes[-1], sig.k), dtype=x_dtype, device=weight.device)
+        bias = torch.zeros(sig.n, device=weight.device) if routing is not None and routing.bias else None
         for m in sizes:
             router_gemm(x[:m], weight, precision, batch_invariant=batch_invariant, weight_terms=weight_terms)
+            if routing is not None:
+                route(x[:m], weight, routing, precision, bias=bias, batch_invariant=batch_invariant,
+                      weight_terms=weight_terms)  # fmt: skip
         torch.cuda.synchronize(weight.device)
         del x
     _WARMED.add(sig)
     logger.info(
-        "vllm-router-ext: warmed the router kernels of a %dx%d gate (%s%s) for M 1..%d before "
+        "vllm-router-ext: warmed the router kernels of a %dx%d gate (%s%s%s) for M 1..%d before "
         "serving: %d launches in %.1f s",
         sig.k,
         sig.n,
         precision.value,
         ", batch-invariant" if batch_invariant else "",
+        ", with the fused router's routing" if routing is not None else "",
         max_m,
         len(sizes),
         time.perf_counter() - start,

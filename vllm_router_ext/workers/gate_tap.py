@@ -17,10 +17,12 @@ from typing import Any
 import torch
 
 from vllm_router_ext.layers.gate import RouterGateLinear
+from vllm_router_ext.layers.router import FusedGateRouter
 from vllm_router_ext.workers.step_timer import StepTimer
 
 ROWS = 4096  # rows kept per gate
 CALLS = 8192  # batch sizes kept per gate
+ID_COLUMNS = 32  # expert ids kept per row where the fused router picks them (top_k <= this)
 
 
 @torch.library.custom_op("router_ext_gate_tap::tap", mutates_args=("xs", "logits_buf", "state", "sizes"))
@@ -51,8 +53,24 @@ def _(x, logits, xs, logits_buf, state, sizes) -> None:
     return None
 
 
+@torch.library.custom_op("router_ext_gate_tap::tap_ids", mutates_args=("ids_buf",))
+def tap_ids(ids: torch.Tensor, ids_buf: torch.Tensor, state: torch.Tensor) -> None:
+    """The expert ids of the rows ``tap`` appended last (at ``state[1] - M``), while on."""
+    m, k = ids.shape
+    rows = state[1] - m + torch.arange(m, device=ids.device)
+    last = ids_buf.shape[0] - 1  # the discarded row
+    rows = torch.where((rows >= 0) & (rows < last) & (state[0] > 0), rows, last)
+    ids_buf[:, :k].index_copy_(0, rows, ids.to(ids_buf.dtype))
+
+
+@tap_ids.register_fake
+def _(ids, ids_buf, state) -> None:
+    return None
+
+
 _init = RouterGateLinear.__init__
 _logits_seen = RouterGateLinear.logits_seen
+_compute_routing = FusedGateRouter._compute_routing
 
 
 def _tapped_init(self: RouterGateLinear, *args: Any, **kwargs: Any) -> None:
@@ -70,6 +88,9 @@ def _tapped_init(self: RouterGateLinear, *args: Any, **kwargs: Any) -> None:
     )  # fmt: skip
     self.register_buffer("_tap_state", torch.zeros(3, dtype=torch.int64, device=device), persistent=False)
     self.register_buffer(
+        "_tap_ids", torch.full((ROWS + 1, ID_COLUMNS), -1, dtype=torch.int32, device=device), persistent=False
+    )
+    self.register_buffer(
         "_tap_sizes", torch.zeros(CALLS + 1, dtype=torch.int64, device=device), persistent=False
     )
 
@@ -81,8 +102,16 @@ def _tapped_logits_seen(self: RouterGateLinear, x: torch.Tensor, logits: torch.T
     torch.ops.router_ext_gate_tap.tap(x, logits, *tap_buffers)
 
 
+def _tapped_compute_routing(self: FusedGateRouter, hidden_states, router_logits, indices_type, **kwargs):
+    """The fused router's experts, beside the rows its gate's logits were tapped at."""
+    weights, ids = _compute_routing(self, hidden_states, router_logits, indices_type, **kwargs)
+    torch.ops.router_ext_gate_tap.tap_ids(ids, self.gate._tap_ids, self.gate._tap_state)
+    return weights, ids
+
+
 RouterGateLinear.__init__ = _tapped_init
 RouterGateLinear.logits_seen = _tapped_logits_seen
+FusedGateRouter._compute_routing = _tapped_compute_routing
 
 
 def _gates(worker: Any) -> dict[str, RouterGateLinear]:
@@ -118,6 +147,7 @@ class GateTap(StepTimer):
         gates = _gates(self)
         for gate in gates.values():
             gate._tap_state.copy_(torch.tensor([1, 0, 0], dtype=torch.int64))
+            gate._tap_ids.fill_(-1)
         _synchronize()
         return {"gates": sorted(gates)}
 
@@ -131,6 +161,8 @@ class GateTap(StepTimer):
             saved[name] = {
                 "x": gate._tap_x[:kept].cpu().clone(),
                 "logits": gate._tap_logits[:kept].cpu().clone(),
+                # the fused router's picks (-1: vLLM's router picked; it is not tapped)
+                "ids": gate._tap_ids[:kept].cpu().clone(),
                 "sizes": gate._tap_sizes[:kept_calls].cpu().clone(),
                 "rows_seen": rows,
                 "weight": gate.weight.detach().float().cpu().clone(),
