@@ -132,7 +132,7 @@ def test_a_built_deepseek_v3_routes_every_moe_layer_with_the_fused_router(vllm_d
     assert runners and all(isinstance(r.gate, HandsThrough) for r in runners)
     assert fused._router_fused.describe() == f"fused router (router_ext::route) in {len(runners)} layer(s)"
     assert stock._router_fused.describe().startswith("vLLM's router on our logits in ")
-    assert "auto: off on cpu" in stock._router_fused.describe()
+    assert stock._router_fused.describe().endswith(": auto, CPURouter on cpu")
     with torch.no_grad():
         for (_, p), (_, q) in zip(fused.named_parameters(), stock.named_parameters(), strict=True):
             p.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1, generator=gen)
@@ -194,7 +194,7 @@ def test_on_stops_the_start_up_where_a_layer_cannot_take_it_and_auto_keeps_vllms
     auto = RouterSettings(RouterPrecision.FP32, "test", model="M")
     module = runner(auto)
     original = fused_router.fused_by_default
-    fused_router.fused_by_default = lambda device: True
+    fused_router.fused_by_default = lambda device, router: True
     try:
         report = fused_router.install_fused_routers(module, auto, torch.device("cpu"))
     finally:
@@ -223,3 +223,25 @@ def test_a_bad_fused_value_is_named_with_the_allowed_ones(extra, message):
     assert resolve_fused(cli="off", additional_config="on") == ("off", "--router-fused")
     assert resolve_fused(additional_config=True) == ("on", "additional_config['router_fused']")
     assert resolve_fused() == ("auto", "default")
+
+
+def test_auto_routes_by_the_fused_router_only_where_it_was_measured_faster(vllm_dist, monkeypatch, gen):
+    """``auto``: Hopper and later, and only vLLM's ungrouped sigmoid + bias router (Kimi-K2's), the
+    one routing the fused router beat at every token count; never on CPU or older GPUs."""
+    from vllm.model_executor.layers.fused_moe.router.fused_topk_bias_router import FusedTopKBiasRouter
+    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import FusedTopKRouter
+    from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import GroupedTopKRouter
+
+    from vllm_router_ext.layers.router import fused_by_default
+
+    bias = torch.randn(N, generator=gen)
+    k2 = FusedTopKBiasRouter(8, N, bias, True, 2.827, scoring_func="sigmoid")
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fused_by_default(cuda, k2)
+    assert not fused_by_default(cuda, GroupedTopKRouter(8, N, 8, 4, True, "sigmoid", 2.5, bias))
+    assert not fused_by_default(cuda, FusedTopKRouter(8, N, "softmax", True))
+    assert not fused_by_default(cuda, FusedTopKBiasRouter(6, N, bias, True, 1.5, scoring_func="sqrtsoftplus"))
+    assert not fused_by_default(torch.device("cpu"), k2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not fused_by_default(cuda, k2)

@@ -21,7 +21,7 @@ vLLM's ``VLLM_BATCH_INVARIANT=1``.
 
 The fused router (the gate GEMM and the expert selection in one op, ``router_ext::route``):
 ``--router-fused`` / ``additional_config["router_fused"]``: ``on``, ``off`` or ``auto`` (on where it
-is faster than vLLM's router on our logits: :func:`vllm_router_ext.layers.router.fused_by_default`).
+was measured faster than vLLM's router on our logits: :func:`vllm_router_ext.layers.router.fused_by_default`).
 """
 
 from __future__ import annotations

@@ -27,10 +27,17 @@ from vllm_router_ext.precision import RouterSettings
 _SCORING = {"sigmoid": Scoring.SIGMOID, "softmax": Scoring.SOFTMAX, "sqrtsoftplus": Scoring.SQRTSOFTPLUS}
 
 
-def fused_by_default(device: torch.device) -> bool:
-    """``auto``: where the fused router is on. CUDA GPUs of compute capability 9.0 and above (the
-    router stage timed against vLLM's router on our logits: docs/benchmarks.md); elsewhere vLLM's."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+def fused_by_default(device: torch.device, router: object) -> bool:
+    """``auto``: where the fused router routes a layer: on CUDA GPUs of compute capability 9.0 and
+    above, for the routing it was measured faster on than vLLM's router on our logits at every
+    token count (docs/benchmarks.md, the router stage): sigmoid + correction bias without groups,
+    which vLLM routes with ``FusedTopKBiasRouter`` (Kimi-K2). vLLM's grouped top-k (DeepSeek-V3)
+    and softmax top-k (Qwen3-MoE) kernels were as fast or faster: their layers keep them."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    return (
+        type(router).__name__ == "FusedTopKBiasRouter" and getattr(router, "scoring_func", None) == "sigmoid"
+    )
 
 
 def routing_of(router: object, n_experts: int) -> Routing | str:
@@ -173,7 +180,6 @@ def install_fused_routers(
     stops the start-up with why."""
     from vllm_router_ext.layers.gate import GateSettingsError, RouterGateMixin
 
-    wanted = settings.fused == "on" or (settings.fused == "auto" and fused_by_default(device))
     fused, kept = 0, {}
     for runner in model.modules():
         gate, router = getattr(runner, "gate", None), getattr(runner, "router", None)
@@ -181,8 +187,12 @@ def install_fused_routers(
             continue
         if not isinstance(router, BaseRouter):
             continue
-        if not wanted:
-            why = "--router-fused off" if settings.fused == "off" else f"auto: off on {device.type}"
+        if settings.fused == "off" or (settings.fused == "auto" and not fused_by_default(device, router)):
+            why = (
+                "--router-fused off"
+                if settings.fused == "off"
+                else f"auto, {type(router).__name__} on {device.type}"
+            )
             kept[why] = kept.get(why, 0) + 1
             continue
         found = _why_not(runner, gate) or routing_of(router, gate.weight.shape[0])

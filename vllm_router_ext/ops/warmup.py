@@ -104,7 +104,8 @@ def warm_up_gate(
         problem = Problem.of(x_template, weight, precision.kernel, batch_invariant, sig.weight_terms)
         sizes = warmup_sizes(problem, max_m)
         x = torch.zeros((sizes[-1], sig.k), dtype=x_dtype, device=weight.device)
-        bias = torch.zeros(sig.n, dtype=torch.float32, device=weight.device) if routing and routing.bias else None
+        with_bias = routing is not None and routing.bias  # fp32, as the model holds it
+        bias = torch.zeros(sig.n, dtype=torch.float32, device=weight.device) if with_bias else None
         for m in sizes:
             router_gemm(x[:m], weight, precision, batch_invariant=batch_invariant, weight_terms=weight_terms)
             if routing is not None:
