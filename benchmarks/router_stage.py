@@ -5,8 +5,8 @@
 
 Methods (each a CUDA graph of calls over rotated weights and activations, weights out of L2; per
 M the methods take turns, in a rotated order each round; the median over rounds):
-- ``ours (route op)``: ``router_ext::route`` in ``fp32``: our GEMM, then our routing kernel as a
-  programmatic dependent launch (Hopper);
+- ``ours (route op)``: ``router_ext::route`` in ``fp32``: our GEMM, then our routing kernel (after
+  the GEMV a programmatic dependent launch on Hopper);
 - ``ours fused, one launch``: decode's GEMV and the routing in one launch (larger M as the op);
 - ``ours GEMM + routing, plain launches``: ``router_gemm`` then the routing kernel, no PDL;
 - ``ours GEMM + vLLM top-k`` and ``stock (vLLM)``: with vLLM importable, the router vLLM builds
