@@ -31,6 +31,6 @@ if [ "${ROUTER_EXT_SKIP_WHEELS:-0}" != "1" ]; then
     echo "[test] pytest (vLLM $series, CUDA wheel on CPU: no engine)"
     VLLM_TARGET_DEVICE=cpu ".venv-vllm${series//./}/bin/pytest" -q -m "not vllm and not gpu" \
       tests/test_vllm_plugin.py tests/test_precision.py tests/test_vllm_serve.py tests/test_architectures.py \
-      tests/test_capture.py tests/test_warmup.py
+      tests/test_capture.py tests/test_warmup.py tests/test_fused_router.py
   done
 fi
