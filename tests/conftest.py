@@ -54,6 +54,32 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [t for i, t in enumerate(items) if i % count == index]
 
 
+def pytest_collection_finish(session):
+    """The ahead-of-time compile runs (CPU-bound subprocesses, minutes on CI's two cores) start as
+    soon as their tests are collected, so they run beside the rest of the suite."""
+    if session.config.option.collectonly:
+        return
+    names = {getattr(item, "originalname", "") for item in session.items}
+    factory = session.config._tmp_path_factory
+    if "test_every_dispatched_kernel_compiles" in names:
+        import test_kernels_compile as aot
+
+        session.config.aot_compile_runs = aot.start_compile_runs(factory)
+    if "test_tuned_table_compiles_without_spills_under_the_triton_users_run" in names:
+        import test_kernels_compile as aot
+
+        session.config.aot_users_triton_runs = aot.start_users_triton_runs(factory)
+
+
+def pytest_sessionfinish(session):
+    for attr in ("aot_compile_runs", "aot_users_triton_runs"):
+        runs = getattr(session.config, attr, None)
+        if runs:
+            import test_kernels_compile as aot
+
+            aot.stop_runs(runs)
+
+
 @pytest.fixture(params=interpreter_dot.ORDERS if INTERPRETING else ("gpu-mma",))
 def dot_order(request):
     """For bitwise claims between kernel forms: under the interpreter the test runs once per fixed

@@ -38,9 +38,12 @@ GPUS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def compile_runs(tmp_path_factory):
-    """One compile run per GPU, all started at once (they are CPU-bound: CI's cores share them)."""
+def _nice() -> None:
+    os.nice(10)  # the compiles soak up what the rest of the suite leaves of CI's cores
+
+
+def start_compile_runs(tmp_path_factory) -> dict:
+    """One compile run per GPU, all started at once (CPU-bound, below the suite's priority)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     runs = {}
     for arch, name, sms in GPUS:
@@ -48,14 +51,51 @@ def compile_runs(tmp_path_factory):
         env_one = env | {"TRITON_CACHE_DIR": str(out / "triton-cache")}  # compile for real, every time
         cmd = [sys.executable, "-m", "vllm_router_ext.tools.compile_check", "--arch", str(arch)]
         cmd += ["--device-name", name, "--sms", str(sms), "--json", str(out / "aot.json")]
-        log = open(out / "log.txt", "w")  # noqa: SIM115 -- closed below, after the process ends
-        runs[name] = (subprocess.Popen(cmd, env=env_one, stdout=log, stderr=subprocess.STDOUT), out, log)
+        log = open(out / "log.txt", "w")  # noqa: SIM115 -- closed by stop_runs, after the process ends
+        proc = subprocess.Popen(cmd, env=env_one, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_nice)
+        runs[name] = (proc, out, log)
+    return runs
+
+
+def start_users_triton_runs(tmp_path_factory) -> dict:
+    """One compile run of the H200 table's shapes per users' Triton, all started at once."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    runs = {}
+    for version in USERS_TRITONS:
+        site = os.path.join(REPO, ".tritons", version)
+        if not os.path.isfile(os.path.join(site, "triton", "__init__.py")):
+            runs[version] = None
+            continue
+        out = tmp_path_factory.mktemp(f"aot-triton-{version}")
+        env_one = env | {
+            "TRITON_CACHE_DIR": str(out / "triton-cache"),
+            "PYTHONPATH": os.pathsep.join([site, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        }
+        cmd = [sys.executable, "-m", "vllm_router_ext.tools.compile_check", "--arch", "90"]
+        cmd += ["--shapes", "table", "--device-name", "NVIDIA H200", "--weights", "16-bit"]
+        cmd += ["--json", str(out / "aot.json")]
+        log = open(out / "log.txt", "w")  # noqa: SIM115 -- closed by stop_runs, after the process ends
+        proc = subprocess.Popen(cmd, env=env_one, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_nice)
+        runs[version] = (proc, out, log)
+    return runs
+
+
+def stop_runs(runs: dict) -> None:
+    for run in runs.values():
+        if run is not None:
+            proc, _, log = run
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            log.close()
+
+
+@pytest.fixture(scope="module")
+def compile_runs(request, tmp_path_factory):
+    """The runs conftest started when this module's tests were collected (else started now)."""
+    runs = getattr(request.config, "aot_compile_runs", None) or start_compile_runs(tmp_path_factory)
     yield runs
-    for proc, _, log in runs.values():
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        log.close()
+    stop_runs(runs)
 
 
 @pytest.mark.parametrize("arch,name,sms", GPUS, ids=[f"sm{a}-{n.split()[1]}" for a, n, _ in GPUS])
@@ -81,41 +121,10 @@ def test_every_dispatched_kernel_compiles(compile_runs, arch, name, sms):
 
 
 @pytest.fixture(scope="module")
-def users_triton_runs(tmp_path_factory):
-    """One compile run of the H200 table's shapes per users' Triton, all started at once."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    runs = {}
-    for version in USERS_TRITONS:
-        site = os.path.join(REPO, ".tritons", version)
-        if not os.path.isfile(os.path.join(site, "triton", "__init__.py")):
-            runs[version] = None
-            continue
-        out = tmp_path_factory.mktemp(f"aot-triton-{version}")
-        env_one = env | {
-            "TRITON_CACHE_DIR": str(out / "triton-cache"),
-            "PYTHONPATH": os.pathsep.join([site, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        }
-        cmd = [
-            sys.executable,
-            "-m",
-            "vllm_router_ext.tools.compile_check",
-            "--arch",
-            "90",
-            "--shapes",
-            "table",
-        ]
-        cmd += ["--device-name", "NVIDIA H200", "--weights", "16-bit", "--json", str(out / "aot.json")]
-        log = open(out / "log.txt", "w")  # noqa: SIM115 -- closed below, after the process ends
-        proc = subprocess.Popen(cmd, env=env_one, stdout=log, stderr=subprocess.STDOUT)
-        runs[version] = (proc, out, log)
+def users_triton_runs(request, tmp_path_factory):
+    runs = getattr(request.config, "aot_users_triton_runs", None) or start_users_triton_runs(tmp_path_factory)
     yield runs
-    for run in runs.values():
-        if run is not None:
-            proc, _, log = run
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            log.close()
+    stop_runs(runs)
 
 
 @pytest.mark.parametrize("version", USERS_TRITONS)
