@@ -470,6 +470,10 @@ def test_each_new_familys_config_keys_route_as_vllm_reads_them():
 #: A router-only checkpoint of each new family, under the names vLLM's loader reads (its
 #: ``load_weights``): the MoE block, the router, where the correction bias sits.
 NEW_FAMILY_CHECKPOINTS = {
+    "afmoe": ({"model_type": "afmoe", "architectures": ["AfmoeForCausalLM"], "hidden_size": 256,
+               "num_experts": 32, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+               "score_func": "sigmoid", "route_norm": True, "route_scale": 2.0},
+              "model.layers.{}.mlp", "router.gate", "expert_bias"),
     "kimi-k3": ({"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
                  "text_config": {"model_type": "kimi_linear", "hidden_size": 256, "num_experts": 32,
                                  "num_experts_per_token": 4, "num_expert_group": 4, "topk_group": 2}},
@@ -552,10 +556,12 @@ def test_the_audit_routes_each_new_family_from_its_checkpoint(tmp_path, family):
     assert [int(i) for i in result["layers"]] == [1, 2]
     r = result["routing"]
     assert (r["top_k"], r["topk_method"], r["scoring_func"]) == (4, "noaux_tc", "sigmoid")
-    assert r["n_group"] == (4 if family in ("kimi-k3", "glm5-next", "exaone-moe", "mimo-v2", "axk1") else 1)
+    grouped = ("kimi-k3", "glm5-next", "exaone-moe", "mimo-v2", "axk1", "afmoe")
+    assert r["n_group"] == (4 if family in grouped else 1)
     # the weights' scale as vLLM applies it in the router (MiMo-V2: none; Laguna: to the layer's
     # output, not the weights; Hunyuan-V3: its router_scaling_factor)
-    scale = {"hy-v3": 2.0, "exaone-moe": 2.5, "mimo-v2": 1.0, "lfm2-moe": 2.0, "laguna": 1.0, "axk1": 2.5}
+    scale = {"hy-v3": 2.0, "exaone-moe": 2.5, "mimo-v2": 1.0, "lfm2-moe": 2.0, "laguna": 1.0, "axk1": 2.5,
+             "afmoe": 2.0}
     if family in scale:
         assert r["routed_scaling_factor"] == scale[family] and r["renormalize"]
     o = result["overall"]
@@ -779,3 +785,15 @@ def test_a_capture_of_another_model_is_refused_unless_allowed(tiny_model, tmp_pa
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(AuditError, match="cut short"):
         run_audit(tiny_model, hidden_states=capture, progress=False)
+
+
+def test_afmoe_renormalises_sigmoid_scores_only():
+    """vLLM's AFMoE passes ``route_norm`` only with sigmoid scores; softmax scores stay as they are."""
+    from vllm_router_ext.ops.routing_fp64 import RoutingConfig
+
+    base = {"model_type": "afmoe", "num_experts": 32, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+            "route_norm": True, "route_scale": 2.0}  # fmt: skip
+    sigmoid = RoutingConfig.from_hf_config({**base, "score_func": "sigmoid"})
+    softmax = RoutingConfig.from_hf_config({**base, "score_func": "softmax"})
+    assert (sigmoid.renormalize, softmax.renormalize) == (True, False)
+    assert sigmoid.routed_scaling_factor == softmax.routed_scaling_factor == 2.0

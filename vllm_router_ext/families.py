@@ -64,6 +64,8 @@ class RoutingKeys:
     #: A config key whose value vLLM multiplies into the gate weight as it loads it (the logits'
     #: scale: Muse-Spark's ``output_multiplier``); None: none.
     weight_scale: str | None = None
+    #: The renormalisation key applies to sigmoid scores only; softmax scores are not renormalised.
+    renormalize_sigmoid_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -262,7 +264,10 @@ FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("Step-3.5", ("Step3p5ForCausalLM",), FP32, _NO_REFERENCE.format("an fp32"),
               drafts=("Step3p5MTP",), model_types=("step3p5",), routing="sigmoid_bias", keys=_STEP_KEYS),
     MoeFamily("Param2-MoE", ("Param2MoEForCausalLM",), FP32, _NO_REFERENCE.format("an fp32")),
-    MoeFamily("AFMoE (Trinity)", ("AfmoeForCausalLM",), FP32, _NO_REFERENCE.format("an fp32")),
+    MoeFamily("AFMoE (Trinity)", ("AfmoeForCausalLM",), FP32, _NO_REFERENCE.format("an fp32"),
+              model_types=("afmoe",), routing="sigmoid_bias",
+              keys=RoutingKeys(renormalize="route_norm", scale="route_scale", score="score_func",
+                               bias=("expert_bias",), renormalize_sigmoid_only=True)),
     MoeFamily("DeepSeek-V4", ("DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration",
               "DeepseekV41ForCausalLM"), FP32,
               "DeepSeek's inference code (DeepSeek-V4 inference/model.py, Gate.forward): "

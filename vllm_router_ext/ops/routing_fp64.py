@@ -148,6 +148,10 @@ class RoutingConfig:
         grouped = keys.groups is not None and (keys.grouped is None or bool(cfg.get(keys.grouped, True)))
         n_group, topk_group = (int(cfg.get(k) or 1) for k in keys.groups) if grouped else (1, 1)
         bias_key, bias_value = keys.bias_if
+        score = cfg.get(keys.score, keys.score_default) if keys.score else keys.score_default
+        renormalize = bool(cfg.get(keys.renormalize, True)) if keys.renormalize else True
+        if keys.renormalize_sigmoid_only and score != "sigmoid":
+            renormalize = False
         if cfg.get(bias_key, bias_value) == bias_value:
             method = "noaux_tc"
         else:  # vLLM's grouped top-k without a bias ranks groups by their best score
@@ -156,9 +160,9 @@ class RoutingConfig:
             top_k,
             n_group=n_group,
             topk_group=topk_group,
-            scoring_func=cfg.get(keys.score, keys.score_default) if keys.score else keys.score_default,
+            scoring_func=score,
             topk_method=method,
-            renormalize=bool(cfg.get(keys.renormalize, True)) if keys.renormalize else True,
+            renormalize=renormalize,
             routed_scaling_factor=float(cfg.get(keys.scale, 1.0)) if keys.scale else 1.0,
         )
 
