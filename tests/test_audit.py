@@ -470,6 +470,9 @@ def test_each_new_familys_config_keys_route_as_vllm_reads_them():
 #: A router-only checkpoint of each new family, under the names vLLM's loader reads (its
 #: ``load_weights``): the MoE block, the router, where the correction bias sits.
 NEW_FAMILY_CHECKPOINTS = {
+    "sarvam-mla": ({"model_type": "sarvam_mla", "architectures": ["SarvamMLAForCausalLM"], "hidden_size": 256,
+                    "num_experts": 32, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2},
+                   "model.layers.{}.mlp", "gate", "gate.e_score_correction_bias"),
     "afmoe": ({"model_type": "afmoe", "architectures": ["AfmoeForCausalLM"], "hidden_size": 256,
                "num_experts": 32, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
                "score_func": "sigmoid", "route_norm": True, "route_scale": 2.0},
@@ -556,12 +559,12 @@ def test_the_audit_routes_each_new_family_from_its_checkpoint(tmp_path, family):
     assert [int(i) for i in result["layers"]] == [1, 2]
     r = result["routing"]
     assert (r["top_k"], r["topk_method"], r["scoring_func"]) == (4, "noaux_tc", "sigmoid")
-    grouped = ("kimi-k3", "glm5-next", "exaone-moe", "mimo-v2", "axk1", "afmoe")
+    grouped = ("kimi-k3", "glm5-next", "exaone-moe", "mimo-v2", "axk1", "afmoe", "sarvam-mla")
     assert r["n_group"] == (4 if family in grouped else 1)
     # the weights' scale as vLLM applies it in the router (MiMo-V2: none; Laguna: to the layer's
     # output, not the weights; Hunyuan-V3: its router_scaling_factor)
     scale = {"hy-v3": 2.0, "exaone-moe": 2.5, "mimo-v2": 1.0, "lfm2-moe": 2.0, "laguna": 1.0, "axk1": 2.5,
-             "afmoe": 2.0}
+             "afmoe": 2.0, "sarvam-mla": 2.5}  # Sarvam: vLLM's default scale without the key
     if family in scale:
         assert r["routed_scaling_factor"] == scale[family] and r["renormalize"]
     o = result["overall"]

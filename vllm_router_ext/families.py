@@ -54,7 +54,8 @@ class RoutingKeys:
     renormalize: str | None = "norm_topk_prob"  # None: always renormalised; missing key: True
     groups: tuple[str, str] | None = ("n_group", "topk_group")  # None: one group; missing: one
     grouped: str | None = None  # a flag that turns the groups on (missing: on)
-    scale: str | None = "routed_scaling_factor"  # None: vLLM scales by 1.0; missing key: 1.0
+    scale: str | None = "routed_scaling_factor"  # None: vLLM scales by 1.0; missing key: scale_default
+    scale_default: float = 1.0
     score: str | None = "scoring_func"  # None or a missing key: ``score_default``
     score_default: str = "sigmoid"
     #: The config key and the value (also its default) under which the correction bias is used.
@@ -367,7 +368,9 @@ FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("openPangu", ("PanguProMoEV2ForCausalLM", "PanguUltraMoEForCausalLM"), None,
               _NO_REFERENCE.format("a model-dtype"), drafts=("OpenPanguMTPModel",)),
     MoeFamily("Sarvam", ("SarvamMoEForCausalLM", "SarvamMLAForCausalLM"), None,
-              _NO_REFERENCE.format("a model-dtype")),
+              _NO_REFERENCE.format("a model-dtype"), model_types=("sarvam_mla",), routing="sigmoid_bias",
+              keys=RoutingKeys(score="score_function", scale_default=2.5,
+                               bias_if=("moe_router_enable_expert_bias", True))),
     MoeFamily("K2-Horizon", ("K2HorizonForCausalLM",), None, _NO_REFERENCE.format("a model-dtype")),
     MoeFamily("Moondream3", ("Moondream3ForCausalLM", "HfMoondream"), None,
               _NO_REFERENCE.format("a model-dtype")),

@@ -163,7 +163,7 @@ class RoutingConfig:
             scoring_func=score,
             topk_method=method,
             renormalize=renormalize,
-            routed_scaling_factor=float(cfg.get(keys.scale, 1.0)) if keys.scale else 1.0,
+            routed_scaling_factor=float(cfg.get(keys.scale, keys.scale_default)) if keys.scale else 1.0,
         )
 
 
