@@ -588,6 +588,10 @@ def test_the_audit_routes_each_new_family_from_its_checkpoint(tmp_path, family):
 #: A router-only checkpoint of each softmax family (names as vLLM's loader reads them) and whether
 #: vLLM renormalises its top-k weights.
 SOFTMAX_CHECKPOINTS = {
+    "mistral-large-4": ({"model_type": "mistral4", "architectures": ["MistralLarge4ForCausalLM"],
+                         "hidden_size": 256, "n_routed_experts": 32, "num_experts_per_tok": 4,
+                         "norm_topk_prob": True, "scoring_func": "softmax", "routed_scaling_factor": 1.0},
+                        "model.layers.{}.mlp.gate", True),
     "jamba": ({"model_type": "jamba", "architectures": ["JambaForCausalLM"], "hidden_size": 256,
                "num_experts": 32, "num_experts_per_tok": 2},
               "model.layers.{}.feed_forward.router", False),

@@ -381,7 +381,7 @@ FAMILIES: tuple[MoeFamily, ...] = (
               drafts=("InternS2MobiusMTP",)),
     MoeFamily("Mistral-Large-4", ("MistralLarge4ForCausalLM",), None,
               _REF.format("mistral4", _IN_MODEL_DTYPE),
-              drafts=("MistralLarge4DSparkModel",)),
+              drafts=("MistralLarge4DSparkModel",), model_types=("mistral4",), routing="softmax_topk"),
     MoeFamily("Qwen4-Exp", ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration"), None,
               _REF.format("qwen4_exp", _IN_MODEL_DTYPE), drafts=("Qwen4ExpMTP",)),
     MoeFamily("Flint", ("FlintForCausalLM",), None, _NO_REFERENCE.format("a model-dtype"),
