@@ -7,6 +7,7 @@ CPU vLLM can run (DeepSeek-V3.2 and GLM-5 cannot: "Sparse Attention is not suppo
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from pathlib import Path
 
@@ -314,6 +315,77 @@ def test_deepseek_v4_builds_our_gate_and_routes_like_fp64(vllm_dist, tmp_path, g
     if not hasattr(torch.ops._C, "hash_topk_cpu"):
         pytest.skip("vLLM's V4 router runs here on its CPU kernels, which this vLLM build lacks (built and "
                     "checked the gates; routing is checked on the CPU build)")  # fmt: skip
+
+
+def test_deepseek_v41_routes_every_layer_by_our_gate_like_fp64(vllm_dist, tmp_path, gen):
+    """DeepSeek-V4.1 (vLLM's ``vllm/models/deepseek_v41``, a multimodal config that nests the text
+    model) builds V4's MoE block with no hash layers whatever its config says: layer 0 too holds
+    our fp32 gate with its correction bias, no token-id table; the audit's routing of the config says
+    the same, and vLLM's V4 router picks fp64's experts from our logits."""
+    import importlib
+    import sys
+
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from vllm_router_ext.layers.gate import RouterGateLinear, router_settings_scope
+    from vllm_router_ext.ops.routing_fp64 import (
+        RoutingConfig,
+        near_tie_mask,
+        reference_logits,
+        relative_error,
+        select_experts,
+    )
+    from vllm_router_ext.precision import RouterPrecision, resolve_router_settings
+    from vllm_router_ext.tools.tiny_checkpoint import TINY_V4, write_tiny_deepseek_v4_config
+
+    layer = next(_LAYER)  # below the config's num_hash_layers: a hash layer in DeepSeek-V4
+    text = {k: v for k, v in TINY_V4.items() if k not in ("model_type", "architectures")}
+    text.update(num_hash_layers=layer + 1, num_hidden_layers=layer + 2)
+    path = write_tiny_deepseek_v4_config(
+        tmp_path / "v41",
+        model_type="deepseek_v41",
+        architectures=["DeepseekV41ForCausalLM"],
+        text_config=text,
+    )
+    routing = RoutingConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+    assert routing.hash_layers == 0 and routing == RoutingConfig.from_hf_config(
+        {**TINY_V4, "num_hash_layers": 0}
+    )
+    cfg = _vllm_config(path, vllm_dist.parallel_config)
+    settings = resolve_router_settings(cfg)
+    assert settings.precision is RouterPrecision.FP32
+    assert settings.source == "auto: architecture DeepseekV41ForCausalLM"
+    entry = importlib.import_module("vllm.models.deepseek_v41")
+    package = sys.modules[entry.DeepseekV41ForCausalLM.__module__].__name__.rsplit(".", 1)[0]
+    module = importlib.import_module(f"{package}.model")  # the platform's own V4.1 model
+    with set_current_vllm_config(cfg), set_default_torch_dtype(torch.bfloat16):
+        with router_settings_scope(settings):
+            block = module.DeepseekV4MoE(cfg, prefix=f"model.layers.{layer}.ffn")
+    gate = block.gate
+    n, k, top_k = TINY_V4["n_routed_experts"], TINY_V4["hidden_size"], TINY_V4["num_experts_per_tok"]
+    assert type(gate) is RouterGateLinear and gate.router_precision is RouterPrecision.FP32
+    assert gate.tid2eid is None and gate.e_score_correction_bias is not None
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
+    gate.weight_loader(gate.weight, w)
+    x = torch.randn(64, k, generator=gen).to(torch.bfloat16)
+    logits, _ = gate(x)
+    ref = reference_logits(x, w)
+    assert logits.dtype == torch.float32 and relative_error(logits, ref) <= 1e-6
+    if not hasattr(torch.ops._C, "hash_topk_cpu"):
+        pytest.skip("vLLM's V4 router runs here on its CPU kernels, which this vLLM build lacks (the gate "
+                    "was built and checked; routing is checked on the CPU build)")  # fmt: skip
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import _sqrtsoftplus_bias_topk
+
+    bias = torch.randn(n, generator=gen) * 0.1
+    gate.e_score_correction_bias.data.copy_(bias)
+    weights, got = _sqrtsoftplus_bias_topk(logits, top_k, True, gate.e_score_correction_bias, 1.5, None, None)
+    want_ids, want_w = select_experts(ref, routing, bias.double())
+    clear = ~near_tie_mask(ref, routing, bias, margin=1e-5 * (ref.abs().max().item() + 1))
+    assert clear.float().mean() >= 0.9
+    order = got.long().argsort(dim=-1)
+    assert torch.equal(got.long().gather(1, order)[clear], want_ids[clear])
+    assert torch.allclose(weights.double().gather(1, order)[clear], want_w[clear], rtol=1e-4, atol=1e-6)
 
 
 def test_a_routing_path_that_skips_the_gate_is_refused_when_asked_and_keeps_vllms_gate_on_auto(

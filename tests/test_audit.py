@@ -128,6 +128,39 @@ def test_reads_only_gate_tensors(tiny_model, monkeypatch):
     assert read and all(n.endswith((".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")) for n in read)
 
 
+def test_the_audit_routes_every_deepseek_v41_layer(tmp_path):
+    """DeepSeek-V4.1's config nests the text model (``text_config``, the model type only at the top)
+    and vLLM builds every one of its MoE layers with a gate: no layer is reported table-routed even
+    where the config carries V4's ``num_hash_layers``; the routing is V4's."""
+    from safetensors.torch import save_file
+
+    from vllm_router_ext.tools.tiny_checkpoint import TINY_V4
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    n, k = TINY_V4["n_routed_experts"], TINY_V4["hidden_size"]
+    text = {key: v for key, v in TINY_V4.items() if key not in ("model_type", "architectures")}
+    cfg = {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"],
+           "text_config": {**text, "num_hidden_layers": 3, "num_hash_layers": 2}}  # fmt: skip
+    tensors = {}
+    for layer in range(3):
+        tensors[f"layers.{layer}.ffn.gate.weight"] = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+        tensors[f"layers.{layer}.ffn.gate.bias"] = torch.randn(n, generator=g) * 0.1
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    result = run_audit(tmp_path, tokens=512, progress=False)
+    assert not result.get("table_routed_layers") and list(result["layers"]) == ["0", "1", "2"]
+    r = result["routing"]
+    assert (r["scoring_func"], r["topk_method"], r["top_k"], r["hash_layers"]) == (
+        "sqrtsoftplus",
+        "noaux_tc",
+        6,
+        0,
+    )
+    o = result["overall"]
+    assert o["fp32"]["rel_err"] <= 1e-6 and o["fp32"]["changed_pct"] == 0.0
+    assert o["bf16"]["changed_pct"] > 0.0
+
+
 def _copy_checkpoint(src: Path, dst: Path) -> Path:
     import shutil
 
@@ -563,8 +596,16 @@ def test_the_audit_routes_each_new_family_from_its_checkpoint(tmp_path, family):
     assert r["n_group"] == (4 if family in grouped else 1)
     # the weights' scale as vLLM applies it in the router (MiMo-V2: none; Laguna: to the layer's
     # output, not the weights; Hunyuan-V3: its router_scaling_factor)
-    scale = {"hy-v3": 2.0, "exaone-moe": 2.5, "mimo-v2": 1.0, "lfm2-moe": 2.0, "laguna": 1.0, "axk1": 2.5,
-             "afmoe": 2.0, "sarvam-mla": 2.5}  # Sarvam: vLLM's default scale without the key
+    scale = {
+        "hy-v3": 2.0,
+        "exaone-moe": 2.5,
+        "mimo-v2": 1.0,
+        "lfm2-moe": 2.0,
+        "laguna": 1.0,
+        "axk1": 2.5,
+        "afmoe": 2.0,
+        "sarvam-mla": 2.5,
+    }  # Sarvam: vLLM's default scale without the key
     if family in scale:
         assert r["routed_scaling_factor"] == scale[family] and r["renormalize"]
     o = result["overall"]

@@ -49,6 +49,8 @@ SOFTMAX_BIAS = _model_types("softmax_bias")  # softmax scores + correction bias 
 SIGMOID_TOP_K = _model_types("sigmoid_topk")  # sigmoid of the top-k logits, no renormalisation
 SCORED_TOP_K = _model_types("scored_topk")  # the config's score function, top-k, renormalised or not
 SQRTSOFTPLUS_BIAS = _model_types("sqrtsoftplus_bias")  # sqrt(softplus) + correction bias; hash layers
+#: DeepSeek-V4.1: vLLM builds every MoE layer with a gate (``num_hash_layers=0``), whatever its config says.
+NO_HASH_LAYERS = ("deepseek_v41",)
 DEEPSEEK_MODEL_TYPES = _model_types("deepseek")
 ROUTED_MODEL_TYPES = _model_types(*ROUTINGS)
 SCORING_FUNCS = ("sigmoid", "softmax", "sqrtsoftplus")
@@ -106,8 +108,9 @@ class RoutingConfig:
         top_k = experts_per_token(cfg)
         if top_k is None:
             raise ValueError(f"no experts per token ({' or '.join(_TOP_K_KEYS)}) in the config")
+        top_model_type = cfg.get("model_type")
         cfg = routing_fields(cfg)
-        model_type = cfg.get("model_type")
+        model_type = cfg.get("model_type") or top_model_type  # a text_config may not repeat it
         if model_type in SOFTMAX_TOP_K:
             key = ROUTING_KEYS[model_type].renormalize or "norm_topk_prob"
             return cls(top_k, renormalize=bool(cfg.get(key, SOFTMAX_TOP_K[model_type])))
@@ -126,7 +129,9 @@ class RoutingConfig:
                 topk_method="noaux_tc",
                 renormalize=bool(cfg.get("norm_topk_prob", True)),
                 routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-                hash_layers=int(
+                hash_layers=0
+                if model_type in NO_HASH_LAYERS
+                else int(
                     cfg.get("num_hash_layers") or list(cfg.get("mlp_layer_types") or []).count("hash_moe")
                 ),
             )
