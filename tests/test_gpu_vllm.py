@@ -95,6 +95,12 @@ class Spec:
 
 
 V4 = "deepseek-v4"  # served from a config alone (build_tiny_deepseek_v4), with dummy weights
+V41 = "deepseek-v4.1"  # the same sizes under V4.1's architecture (vLLM's ``vllm/models/deepseek_v41``)
+V41_CONFIG = {
+    "model_type": "deepseek_v41",
+    "architectures": ["DeepseekV41ForCausalLM"],
+    "expert_dtype": "bf16",
+}
 MTP = ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1}))
 SPECS: dict[str, Spec] = {
     "v3-auto": Spec("deepseek-v3"),
@@ -140,6 +146,8 @@ SPECS: dict[str, Spec] = {
         draft="bf16-fp32out",
         dummy=True,
     ),
+    # DeepSeek-V4.1: every MoE layer routes by its gate (no hash layers), auto is fp32.
+    "v41-auto": Spec(V41, dummy=True),
 }
 #: Served with vLLM's JIT monitor logging every compile after its warm-up (where vLLM has it).
 #: Not its error mode: vLLM's own fused-MoE Triton kernel compiles per new batch size on these
@@ -172,8 +180,11 @@ class Servers:
         self.models: dict[str, Path] = {}
         for name in names:
             spec = SPECS[name]
-            if spec.model == V4:
-                self.models[name] = build_tiny_deepseek_v4(root / f"ckpt-{name}", mtp_layers=spec.mtp)
+            if spec.model in (V4, V41):
+                extra = V41_CONFIG if spec.model == V41 else {}
+                self.models[name] = build_tiny_deepseek_v4(
+                    root / f"ckpt-{name}", mtp_layers=spec.mtp, **extra
+                )
                 continue
             if spec.model in FAMILY_PRESETS:
                 seed = len(self.models)
@@ -281,7 +292,7 @@ def test_serves_with_defaults_and_names_the_gpu_kernels(servers, spec):
     assert "Traceback" not in log
     if not SPECS[spec].eager:
         assert "Capturing CUDA graphs" in log or "Graph capturing finished" in log, "no CUDA graphs captured"
-        if SPECS[spec].model in (*DSA, V4):  # vLLM's default for sparse attention
+        if SPECS[spec].model in (*DSA, V4, V41):  # vLLM's default for sparse attention
             assert "Breakable CUDA graph enabled" in log
         else:
             assert "torch.compile" in log, "the model was not compiled"
@@ -312,6 +323,8 @@ def test_gate_logits_inside_the_served_model_match_fp64(servers, spec, tmp_path)
     routing = None if SPECS[spec].model in FAMILY_PRESETS else RoutingConfig.from_hf_config(cfg)
     assert {n.split(":")[0] for n in taps} == ({"target", "draft"} if SPECS[spec].mtp else {"target"})
     fused = any("routing: fused router" in ln for ln in precision_lines(server.log()))
+    if SPECS[spec].model == V41:  # vLLM builds V4.1's MoE layers without hash layers
+        assert not any(t.get("hash_routed") for t in taps.values()), sorted(taps)
     for name, t in taps.items():
         if fused and name.startswith("target:") and not t.get("hash_routed"):
             assert (t["ids"][:, 0] >= 0).any(), (name, "the fused router's picks were not tapped")
