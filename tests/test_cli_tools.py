@@ -504,6 +504,16 @@ def test_e2e_benchmark_summarises_and_renders_a_saved_run(tmp_path):
     ]
     gpu_rows[-1]["value"] = gpu_rows[-2]["value"] = 420.0  # +5 % GPU time in two rounds of three
     assert e2e.verdict(e2e.summary({"rows": rows + gpu_rows}))[0].endswith("-> MISSED by the GPU step")
+    # The fused router's target: a decode step faster than stock's (stock / fused GPU time >= 1).
+    fused = [{**r, "mode": "fp32-fused", "value": v} for r in rows + gpu_rows if r["mode"] == "bf16"
+             for v in [r["value"] * (0.99 if r["metric"].startswith("gpu") else 1.0)]]  # fmt: skip
+    lines = e2e.verdict(e2e.summary({"rows": rows + gpu_rows + fused}))
+    assert lines[-1].startswith("deepseek-v3 fp8 tok_s@8: fp32-fused / stock 1.000") and lines[-1].endswith(
+        f"stock / fp32-fused {1 / 0.99:.3f} (rounds {1 / 0.99:.3f}-{1 / 0.99:.3f}) -> met by the GPU step"
+    )
+    fused = [{**r, "value": r["value"] / 0.99 / 0.995} if r["metric"].startswith("gpu") else r for r in fused]
+    assert e2e.verdict(e2e.summary({"rows": rows + gpu_rows + fused}))[-1].endswith("MISSED by the GPU step")
+    assert "| deepseek-v3 | fp8 | fp32-fused |" in e2e.table(e2e.summary({"rows": rows + gpu_rows + fused}))
     saved = REPO / "benchmarks/results/e2e-h200-d0d43c4.json"
     p = subprocess.run(
         [
