@@ -400,8 +400,10 @@ def _gemv(m: int, n: int, fp32_weight: bool) -> GemvLaunch:
     with 4, sm_89 spills at K=6144; an fp32 weight keeps one expert a program (two spill on sm_100)."""
     if n < 64:
         return GemvLaunch(1, 1, num_warps=8, maxnreg=255)
-    if m <= 4 or fp32_weight:
+    if fp32_weight:
         return GemvLaunch(min(2, 1 << (m - 1).bit_length()), 1, num_warps=8)
+    if m <= 4:  # maxnreg: without it Triton 3.8's schedule holds loads back at large K (as the table's)
+        return GemvLaunch(min(2, 1 << (m - 1).bit_length()), 1, num_warps=8, maxnreg=255)
     return GemvLaunch(1 if m <= 8 else 2 if n <= 128 else 4, 2, num_warps=8)
 
 
