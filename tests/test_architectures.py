@@ -388,6 +388,47 @@ def test_deepseek_v41_routes_every_layer_by_our_gate_like_fp64(vllm_dist, tmp_pa
     assert torch.allclose(weights.double().gather(1, order)[clear], want_w[clear], rtol=1e-4, atol=1e-6)
 
 
+def test_the_served_v41_checkpoint_is_laid_out_as_vllm_reads_it(tmp_path):
+    """The tiny V4.1 the GPU suite serves parses in vLLM as V4.1's config: the text model flattened
+    from ``text_config`` with every field V4's model reads, a rope for both attention kinds, each
+    layer's compression from ``compress_ratios``, bf16 experts; a flat V4 config under V4.1's type
+    has no rope (vLLM fails building the attention)."""
+    try:
+        from vllm.models.deepseek_v41.common.rope import build_deepseek_v4_rope
+    except ImportError:
+        pytest.skip("this vLLM has no DeepSeek-V4.1 package (vllm/models/deepseek_v41)")
+    from vllm.config import set_current_vllm_config
+    from vllm.transformers_utils.config import get_config
+    from vllm_configs import engine_free_config
+
+    from vllm_router_ext.tools.tiny_checkpoint import (
+        GPU_V4_SIZES,
+        TINY_V4,
+        V41_ARCHITECTURE,
+        build_tiny_deepseek_v4,
+        write_tiny_deepseek_v4_config,
+    )
+
+    path = build_tiny_deepseek_v4(tmp_path / "v41", v41=True, expert_dtype="bf16")
+    cfg = get_config(str(path), trust_remote_code=False)
+    assert type(cfg).__name__ == "DeepseekV41Config" and cfg.architectures == ["DeepseekV41ForCausalLM"]
+    sizes = {**TINY_V4, **GPU_V4_SIZES}
+    for key in ("hidden_size", "n_routed_experts", "num_hidden_layers", "head_dim", "index_topk", "hc_mult"):
+        assert getattr(cfg, key) == sizes[key], key
+    assert cfg.expert_dtype == "bf16" and cfg.num_nextn_predict_layers == 0
+    ratios = cfg.compress_ratios
+    assert len(ratios) == sizes["num_hidden_layers"] and {4, 128} <= set(ratios)
+    with set_current_vllm_config(engine_free_config()):
+        for ratio in sorted(set(ratios)):
+            rope = build_deepseek_v4_rope(
+                cfg, head_dim=sizes["head_dim"], rope_head_dim=sizes["qk_rope_head_dim"],
+                max_position_embeddings=sizes["max_position_embeddings"], compress_ratio=ratio,
+            )  # fmt: skip
+            assert isinstance(rope, torch.nn.Module)
+    flat = write_tiny_deepseek_v4_config(tmp_path / "flat", **GPU_V4_SIZES, **V41_ARCHITECTURE)
+    assert not hasattr(get_config(str(flat), trust_remote_code=False), "rope_parameters")
+
+
 def test_a_routing_path_that_skips_the_gate_is_refused_when_asked_and_keeps_vllms_gate_on_auto(
     vllm_dist, tmp_path
 ):

@@ -4,11 +4,17 @@ or builds one of the family's architectures, and each family those tests run cla
 from __future__ import annotations
 
 from vllm_router_ext.families import FAMILIES, TESTED, family_of
-from vllm_router_ext.tools.tiny_checkpoint import FAMILY_PRESETS, ROUTING_PRESETS, TINY_V4
+from vllm_router_ext.tools.tiny_checkpoint import (
+    FAMILY_PRESETS,
+    ROUTING_PRESETS,
+    TINY_V4,
+    V41_ARCHITECTURE,
+)
 
 
 def _arch(preset: str) -> str:
-    config = {"deepseek-v4": TINY_V4, **ROUTING_PRESETS, **FAMILY_PRESETS}[preset]
+    v4 = {"deepseek-v4": TINY_V4, "deepseek-v4.1": V41_ARCHITECTURE}
+    config = {**v4, **ROUTING_PRESETS, **FAMILY_PRESETS}[preset]
     return config["architectures"][0]
 
 

@@ -95,12 +95,7 @@ class Spec:
 
 
 V4 = "deepseek-v4"  # served from a config alone (build_tiny_deepseek_v4), with dummy weights
-V41 = "deepseek-v4.1"  # the same sizes under V4.1's architecture (vLLM's ``vllm/models/deepseek_v41``)
-V41_CONFIG = {
-    "model_type": "deepseek_v41",
-    "architectures": ["DeepseekV41ForCausalLM"],
-    "expert_dtype": "bf16",
-}
+V41 = "deepseek-v4.1"  # the same sizes in V4.1's layout (vLLM's ``vllm/models/deepseek_v41``), bf16 experts
 MTP = ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1}))
 SPECS: dict[str, Spec] = {
     "v3-auto": Spec("deepseek-v3"),
@@ -181,7 +176,7 @@ class Servers:
         for name in names:
             spec = SPECS[name]
             if spec.model in (V4, V41):
-                extra = V41_CONFIG if spec.model == V41 else {}
+                extra = {"v41": True, "expert_dtype": "bf16"} if spec.model == V41 else {}
                 self.models[name] = build_tiny_deepseek_v4(
                     root / f"ckpt-{name}", mtp_layers=spec.mtp, **extra
                 )

@@ -378,11 +378,49 @@ GPU_V4_SIZES = dict(
 )  # fmt: skip
 
 
-def build_tiny_deepseek_v4(out_dir: str | Path, *, mtp_layers: int = 0, **overrides) -> Path:
-    """A tiny DeepSeek-V4 for the GPU (:data:`GPU_V4_SIZES`): config, generation config and
-    tokenizer, no weights (served with ``--load-format dummy``)."""
+#: DeepSeek-V4.1's architecture (vLLM's ``vllm/models/deepseek_v41``): V4's text model and MoE block.
+V41_ARCHITECTURE = dict(model_type="deepseek_v41", architectures=["DeepseekV41ForCausalLM"])
+#: Per-layer lists transformers' V4 config derives in its own names, which its base class refuses.
+_DERIVED = ("layer_types", "mlp_layer_types")
+
+
+def deepseek_v41_config(v4_config: dict) -> dict:
+    """V4.1's ``config.json`` around the text model of a V4 config, laid out as the release lays it
+    out: the text model under ``text_config``, its rope under ``rope_scaling``, each layer's
+    compression as ``compress_ratios`` and every field transformers' V4 config defaults written out
+    (V4.1's config class flattens the text model onto the top level and defaults nothing), no vision
+    layers."""
+    from transformers import AutoConfig
+
+    text = {k: v for k, v in v4_config.items() if k not in ("model_type", "architectures")}
+    full = AutoConfig.for_model("deepseek_v4", **text).to_dict()
+    # V4.1's own names: each layer's compression ratio as a list, the rope as rope_scaling.
+    rates = full.pop("compress_rates")
+    full["compress_ratios"] = [rates.get(t, 0) for t in full["layer_types"]]
+    full["compress_ratios"] += [0] * full["num_nextn_predict_layers"]
+    full["rope_scaling"] = full.pop("rope_parameters")
+    for key in ("model_type", "architectures", "transformers_version", "_name_or_path", "dtype", *_DERIVED):
+        full.pop(key, None)
+    return {
+        **V41_ARCHITECTURE,
+        "torch_dtype": v4_config.get("torch_dtype", "bfloat16"),
+        "text_config": {**full, **text},
+        "vision_config": {"num_hidden_layers": 0},
+    }
+
+
+def build_tiny_deepseek_v4(
+    out_dir: str | Path, *, mtp_layers: int = 0, v41: bool = False, **overrides
+) -> Path:
+    """A tiny DeepSeek-V4 (or, with ``v41``, V4.1) for the GPU (:data:`GPU_V4_SIZES`): config,
+    generation config and tokenizer, no weights (served with ``--load-format dummy``)."""
     sizes = {**GPU_V4_SIZES, "num_nextn_predict_layers": mtp_layers, **overrides}
-    out = write_tiny_deepseek_v4_config(out_dir, **sizes)
+    if v41:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(deepseek_v41_config({**TINY_V4, **sizes}), indent=2))
+    else:
+        out = write_tiny_deepseek_v4_config(out_dir, **sizes)
     _write_generation_config(out)
     _write_tokenizer(out, TINY_V4["vocab_size"])
     return out
