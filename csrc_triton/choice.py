@@ -396,12 +396,15 @@ def _heuristic_kernel(p: Problem, allow_wgmma_ws: bool) -> KernelLaunch:
 def _gemv(m: int, n: int, fp32_weight: bool) -> GemvLaunch:
     """The H200 table's GEMV picks on 17 gate shapes, generalised: one expert a program below 64
     experts (their programs are few already; every chunk's loads issued at once: ``maxnreg``),
-    more tokens a program as M grows, two experts a program from 5 tokens. 8 warps throughout:
-    with 4, sm_89 spills at K=6144; an fp32 weight keeps one expert a program (two spill on sm_100)."""
+    more tokens a program as M grows, two experts a program from 5 tokens (and at 3, where two
+    tokens a program leave a half-empty one). 8 warps throughout: with 4, sm_89 spills at K=6144; an
+    fp32 weight keeps one expert a program (two spill on sm_100)."""
     if n < 64:
         return GemvLaunch(1, 1, num_warps=8, maxnreg=255)
     if fp32_weight:
         return GemvLaunch(min(2, 1 << (m - 1).bit_length()), 1, num_warps=8)
+    if m == 3:
+        return GemvLaunch(1, 2, num_warps=8, maxnreg=255)
     if m <= 4:  # maxnreg: without it Triton 3.8's schedule holds loads back at large K (as the table's)
         return GemvLaunch(min(2, 1 << (m - 1).bit_length()), 1, num_warps=8, maxnreg=255)
     return GemvLaunch(1 if m <= 8 else 2 if n <= 128 else 4, 2, num_warps=8)
