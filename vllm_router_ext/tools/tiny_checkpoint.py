@@ -390,10 +390,10 @@ def deepseek_v41_config(v4_config: dict) -> dict:
     compression as ``compress_ratios`` and every field transformers' V4 config defaults written out
     (V4.1's config class flattens the text model onto the top level and defaults nothing), no vision
     layers."""
-    from transformers import AutoConfig
+    from transformers import DeepseekV4Config  # transformers' own: vLLM may register another
 
     text = {k: v for k, v in v4_config.items() if k not in ("model_type", "architectures")}
-    full = AutoConfig.for_model("deepseek_v4", **text).to_dict()
+    full = DeepseekV4Config(**text).to_dict()
     # V4.1's own names: each layer's compression ratio as a list, the rope as rope_scaling.
     rates = full.pop("compress_rates")
     full["compress_ratios"] = [rates.get(t, 0) for t in full["layer_types"]]
