@@ -358,12 +358,14 @@ TINY_V4 = dict(
 )  # fmt: skip
 
 
-def write_tiny_deepseek_v4_config(out_dir: str | Path, **overrides) -> Path:
-    """The config of a tiny DeepSeek-V4 (:data:`TINY_V4`) into ``out_dir``: enough for vLLM to
-    parse it and build its MoE blocks (the attention's kernels run on GPUs only)."""
+def write_tiny_deepseek_v4_config(out_dir: str | Path, *, v41: bool = False, **overrides) -> Path:
+    """The config of a tiny DeepSeek-V4 (:data:`TINY_V4`; with ``v41``, in V4.1's layout:
+    :func:`deepseek_v41_config`) into ``out_dir``: enough for vLLM to parse it and build its MoE
+    blocks (the attention's kernels run on GPUs only)."""
+    config = {**TINY_V4, **overrides}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps({**TINY_V4, **overrides}, indent=2))
+    (out / "config.json").write_text(json.dumps(deepseek_v41_config(config) if v41 else config, indent=2))
     return out
 
 
@@ -415,12 +417,7 @@ def build_tiny_deepseek_v4(
     """A tiny DeepSeek-V4 (or, with ``v41``, V4.1) for the GPU (:data:`GPU_V4_SIZES`): config,
     generation config and tokenizer, no weights (served with ``--load-format dummy``)."""
     sizes = {**GPU_V4_SIZES, "num_nextn_predict_layers": mtp_layers, **overrides}
-    if v41:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(deepseek_v41_config({**TINY_V4, **sizes}), indent=2))
-    else:
-        out = write_tiny_deepseek_v4_config(out_dir, **sizes)
+    out = write_tiny_deepseek_v4_config(out_dir, v41=v41, **sizes)
     _write_generation_config(out)
     _write_tokenizer(out, TINY_V4["vocab_size"])
     return out
