@@ -9,8 +9,21 @@
 # Arguments go to the first pytest run (e.g. -k NAME); ROUTER_EXT_SKIP_WHEELS=1 skips 2 and 3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_cpu_env.sh
 SERIES=(0.33 0.34)
+# Room first: a full disk would otherwise surface 20 minutes in as unrelated test failures. GiB needed:
+# the CPU environment with its Tritons 6, each vLLM wheel environment 10, the tests' files 3.
+need=3
+[ -x .venv/bin/pytest ] || need=$((need + 6))
+if [ "${ROUTER_EXT_SKIP_WHEELS:-0}" != "1" ]; then
+  for series in "${SERIES[@]}"; do [ -x ".venv-vllm${series//./}/bin/pytest" ] || need=$((need + 10)); done
+fi
+free=$(df -Pk . | awk 'NR == 2 { print int($4 / 1048576) }')
+if [ "$free" -lt "$need" ]; then
+  echo "[test] $free GiB free on $(df -P . | awk 'NR == 2 { print $6 }'), the missing environments and the tests" \
+    "need about $need GiB: free some, or skip the vLLM wheel environments with ROUTER_EXT_SKIP_WHEELS=1"
+  exit 1
+fi
+bash scripts/setup_cpu_env.sh
 if [ "${ROUTER_EXT_SKIP_WHEELS:-0}" != "1" ]; then
   # The wheel environments install (mostly downloads) while the first suite runs; their log follows it.
   SETUP_LOG=$(mktemp)

@@ -196,6 +196,34 @@ def test_close_trims_the_file_to_the_rows_seen_and_says_so(tmp_path, gen, monkey
     ]
 
 
+@pytest.mark.parametrize("passes", [(), ((1,),)], ids=["before-any-pass", "mid-first-pass"])
+def test_an_engine_that_dies_before_a_pass_finishes_leaves_a_readable_capture(
+    tmp_path, gen, monkeypatch, caplog, passes
+):
+    """An engine that fails in its first forward (or before it) closes its recorder with a gate that
+    has no rows: the file is trimmed to what each gate has, read back, and the log says so."""
+    from safetensors.torch import load_file
+
+    rec = _recorder(tmp_path, 64, monkeypatch)
+    x = torch.randn(3, 8, generator=gen).to(torch.bfloat16)
+    for layers in passes:
+        _pass(rec, x, layers=layers)
+    with caplog.at_level("INFO"):
+        rec.close()
+    data = load_file(str(rec.path))
+    rows = {1: 3 if passes else 0, 2: 0}
+    for layer, n in rows.items():
+        assert data[f"layers.{layer}"].shape == (n, 8) and data[f"logits.{layer}"].shape == (n, 3)
+    assert torch.equal(data["layers.1"], x[: rows[1]])
+    meta = json.loads(rec.path.with_suffix(".json").read_text(encoding="utf-8"))
+    assert meta["trimmed"] and meta["rows_per_layer"] == {str(k): n for k, n in rows.items()}
+    counts = "/".join(str(n) for n in sorted(set(rows.values())))
+    assert [r.getMessage() for r in caplog.records if "router capture" in r.getMessage()] == [
+        f"vllm-router-ext: wrote the router capture {rec.path} ({counts} tokens x 2 layers, partial, "
+        f"budget 64: {STOPPED})"
+    ]
+
+
 def test_a_garbage_collected_model_writes_its_capture(tmp_path, gen, monkeypatch):
     import gc
     from multiprocessing.util import Finalize

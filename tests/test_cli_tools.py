@@ -533,3 +533,29 @@ def test_e2e_benchmark_summarises_and_renders_a_saved_run(tmp_path):
     assert p.stdout.count("kimi-k2 bf16 tok_s@") == 3  # one verdict per concurrency
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "e2e.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("skip_wheels", ["0", "1"])
+def test_the_test_command_stops_at_once_without_room_for_its_environments(tmp_path, skip_wheels):
+    """A full disk would surface halfway through the suite as unrelated failures: the test command
+    says so in one line before it builds anything."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "test.sh").write_text((REPO / "scripts" / "test.sh").read_text(encoding="utf-8"))
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "df").write_text(  # 2 GiB free on /fake
+        "#!/bin/sh\necho 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
+        "echo '/dev/fake 100000000 97902848 2097152 98% /fake'\n"
+    )
+    (fake / "df").chmod(0o755)
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "ROUTER_EXT_SKIP_WHEELS": skip_wheels, "HOME": str(tmp_path)}
+    p = subprocess.run(
+        ["bash", "scripts/test.sh"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    need = 9 if skip_wheels == "1" else 29  # no environment exists here yet
+    assert p.returncode == 1 and p.stderr == ""
+    assert p.stdout.splitlines() == [
+        f"[test] 2 GiB free on /fake, the missing environments and the tests need about {need} GiB: free "
+        "some, or skip the vLLM wheel environments with ROUTER_EXT_SKIP_WHEELS=1"
+    ]
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["bin", "scripts"]  # nothing was built

@@ -362,7 +362,7 @@ class GateCapture:
             os.close(self._fd)
             self._write_status(complete=ended == BUDGET_REACHED, ended=ended)
             message = trim_capture(self.path)
-        except OSError as e:  # disk full, directory gone: the server keeps serving
+        except (OSError, ValueError) as e:  # disk full, directory gone, file cut short: serving goes on
             kept = _row_counts(self._written.values())
             logger.error(
                 "vllm-router-ext: could not finish the router capture %s (%s); %s tokens per layer kept, "
@@ -469,7 +469,11 @@ def read_tensors(path: Path, rows: dict[str, int] | None = None) -> dict[str, to
                 raise CaptureError(
                     f"{path}: cut short: {name} needs bytes {start}..{start + nbytes}, the file has {size}"
                 )
-            tensors[name] = torch.frombuffer(bytearray(data), dtype=dtype).reshape(n, width)
+            tensors[name] = (
+                torch.frombuffer(bytearray(data), dtype=dtype).reshape(n, width)
+                if nbytes
+                else torch.empty(n, width, dtype=dtype)  # no rows yet: frombuffer refuses 0 bytes
+            )
         return tensors
     finally:
         os.close(fd)
