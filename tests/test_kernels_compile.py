@@ -12,6 +12,8 @@ The H200 table's 16-bit-weight launches are also compiled with the Triton each C
 vLLM pins (``TRITON_OF_VLLM``, installed into ``.tritons/`` by ``scripts/setup_cpu_env.sh``):
 none may spill there, since a spill under the user's Triton is how a tuned bucket silently slows,
 unless its bucket was timed under that very Triton and won there (``us_by_triton``).
+The router op's kernels (the routing kernel, the fused router) are compiled for every released
+routing on sm_90 and sm_100 and under those Tritons, and must not spill anywhere.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ GPUS = [
     (100, "NVIDIA B200", 148),
 ]
 
+#: The GPUs whose runs also compile the router op's kernels for every released routing: the tuned
+#: table's (sm_90) and the newest architecture (sm_100); the fused router is on by default from sm_90.
+ROUTERS_ON = ("NVIDIA H200", "NVIDIA B200")
+ROUTER_KERNELS = {"_route_logits_kernel", "_route_gemv_kernel"}
+
 
 def _nice() -> None:
     os.nice(10)  # the compiles soak up what the rest of the suite leaves of CI's cores
@@ -51,6 +58,7 @@ def start_compile_runs(tmp_path_factory) -> dict:
         env_one = env | {"TRITON_CACHE_DIR": str(out / "triton-cache")}  # compile for real, every time
         cmd = [sys.executable, "-m", "vllm_router_ext.tools.compile_check", "--arch", str(arch)]
         cmd += ["--device-name", name, "--sms", str(sms), "--json", str(out / "aot.json")]
+        cmd += ["--routers"] if name in ROUTERS_ON else []
         log = open(out / "log.txt", "w")  # noqa: SIM115 -- closed by stop_runs, after the process ends
         proc = subprocess.Popen(cmd, env=env_one, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_nice)
         runs[name] = (proc, out, log)
@@ -72,7 +80,7 @@ def start_users_triton_runs(tmp_path_factory) -> dict:
             "PYTHONPATH": os.pathsep.join([site, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         }
         cmd = [sys.executable, "-m", "vllm_router_ext.tools.compile_check", "--arch", "90"]
-        cmd += ["--shapes", "table", "--device-name", "NVIDIA H200", "--weights", "16-bit"]
+        cmd += ["--shapes", "table", "--device-name", "NVIDIA H200", "--weights", "16-bit", "--routers"]
         cmd += ["--json", str(out / "aot.json")]
         log = open(out / "log.txt", "w")  # noqa: SIM115 -- closed by stop_runs, after the process ends
         proc = subprocess.Popen(cmd, env=env_one, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_nice)
@@ -118,6 +126,24 @@ def test_every_dispatched_kernel_compiles(compile_runs, arch, name, sms):
     # it, one LDL after, per program), which is not register pressure
     spilled = [r["what"] for r in results if r["spill_bytes"] > 8 and r["source"] == "heuristic"]
     assert not spilled, f"heuristic configs spill registers on sm_{arch}: {spilled}"
+    _check_routers(results, name in ROUTERS_ON)
+
+
+def _check_routers(results: list[dict], compiled: bool) -> None:
+    """The router op's kernels, where compiled: both kinds for every released routing, none spilling
+    (no routing kernel was ever timed spilling and won)."""
+    routers = [r for r in results if r["kernel"] in ROUTER_KERNELS]
+    if not compiled:
+        assert not routers
+        return
+    from vllm_router_ext.tools.compile_check import router_cases
+
+    assert {r["kernel"] for r in routers} == ROUTER_KERNELS
+    for case in router_cases():  # each release's routing: the fused router at decode, the kernel above
+        mine = {r["kernel"] for r in routers if r["what"].startswith(f"{case.name} ")}
+        assert mine == ROUTER_KERNELS, (case.name, mine)
+    spilled = [r["what"] for r in routers if r["spill_bytes"]]
+    assert not spilled, f"the router kernels spill registers: {spilled}"
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +164,7 @@ def test_tuned_table_compiles_without_spills_under_the_triton_users_run(users_tr
     assert f"with Triton {version};" in log, log[-500:]  # the pinned Triton, not the installed one
     results = json.loads((out / "aot.json").read_text(encoding="utf-8"))
     assert {"_gemv_kernel", "_splitk_partials_kernel", "_wgmma_ws_kernel"} <= {r["kernel"] for r in results}
+    _check_routers(results, True)
     assert any(r["source"].startswith("tuned") for r in results)
     spilled = [r for r in results if r["spill_bytes"]]
     unmeasured = sorted(

@@ -1,7 +1,7 @@
 """Compile every Triton kernel the CUDA dispatch would launch, for a GPU architecture, without a GPU.
 It ships as a user's check of a Triton upgrade or a new GPU's compile (docs/kernels.md).
 
-    python -m vllm_router_ext.tools.compile_check [--arch 90] [--shapes DeepSeek-V3,...]
+    python -m vllm_router_ext.tools.compile_check [--arch 90] [--shapes DeepSeek-V3,...] [--routers]
 
 The device tests run on an H200 with one Triton version; vLLM's CUDA build may bring another
 (vLLM 0.32: torch 2.13 and Triton 3.9, the versions of the CPU build here). CPU CI runs the
@@ -33,6 +33,7 @@ import torch
 
 from csrc_triton.launches import KernelLaunch
 from csrc_triton.problem import Precision
+from csrc_triton.routing import Routing, Scoring
 from vllm_router_ext.bench_harness import SHAPE_BY_NAME, SHAPES, RouterShape
 
 #: The Triton each supported CUDA build of vLLM pins: what its users compile these kernels with.
@@ -192,6 +193,100 @@ def compile_configs(
     return results
 
 
+#: A released routing's score function as the routing kernels take it.
+_SCORING = {"sigmoid": Scoring.SIGMOID, "softmax": Scoring.SOFTMAX, "sqrtsoftplus": Scoring.SQRTSOFTPLUS}
+
+
+@dataclass(frozen=True)
+class RouterCase:
+    """A release's gate with the routing its config states, as the router op runs it."""
+
+    name: str
+    hidden: int
+    experts: int
+    routing: Routing
+
+
+def router_cases() -> list[RouterCase]:
+    """Every release of the family table whose routing the routing kernels take, once per distinct
+    gate shape and routing."""
+    from vllm_router_ext.families import FAMILIES
+    from vllm_router_ext.ops.routing_fp64 import RoutingConfig
+
+    cases: dict = {}
+    for family in FAMILIES:
+        for release in family.releases:
+            rc = RoutingConfig.from_hf_config(release.config)
+            if rc.scoring_func not in _SCORING:
+                continue
+            topk_group = rc.topk_group if rc.n_group > 1 else 1
+            routing = Routing(rc.top_k, _SCORING[rc.scoring_func], rc.n_group, topk_group,
+                              rc.uses_correction_bias, rc.renormalize, rc.routed_scaling_factor)  # fmt: skip
+            routing.check(release.experts)
+            key = (release.hidden, release.experts, routing)
+            cases.setdefault(key, RouterCase(release.name, release.hidden, release.experts, routing))
+    return list(cases.values())
+
+
+def _router_launches(case: RouterCase, problem, launch: KernelLaunch, arch: int) -> list:
+    """The kernel launches ``route_cuda`` makes after the GEMM ``launch`` chose for ``problem``: at
+    decode (the GEMV) the fused router where the logits are fp32, and the routing kernel as a
+    dependent launch from sm_90; after the other GEMMs the routing kernel alone."""
+    from csrc_triton import pdl
+    from csrc_triton.launches import GemvLaunch
+    from csrc_triton.router_route_gemv import route_gemv_launch
+    from csrc_triton.routing import route_logits
+
+    m, routing = problem.m, case.routing
+    gemv = isinstance(launch, GemvLaunch)
+    bias = torch.zeros(case.experts) if routing.bias else None
+    logits = torch.empty(m, case.experts, dtype=problem.logits_dtype)
+    weights = torch.empty(m, routing.top_k)
+    ids = torch.empty(m, routing.top_k, dtype=torch.int32)
+    with _captured_launches() as launches, pdl.forced(arch >= 90):
+        route_logits(logits, routing, bias, weights, ids, pdl=gemv and arch >= 90)
+        if gemv and problem.logits_dtype == torch.float32:
+            x = torch.zeros(m, case.hidden, dtype=torch.bfloat16)
+            w = torch.zeros(case.experts, case.hidden, dtype=torch.bfloat16)
+            route_gemv_launch(x, w, routing, bias, logits, weights, ids, launch)
+    return launches
+
+
+def compile_routers(
+    cases: list[RouterCase], device_name: str, sm_count: int, arch: int, progress: bool = False
+) -> list[Compiled]:
+    """Compile the kernels the router op launches for each case on ``sm_<arch>``
+    (:func:`_router_launches`): every mode, batch invariance off and on, M from 1 to 16384. The
+    GEMMs are :func:`compile_configs`'."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("unset TRITON_INTERPRET: the interpreter never compiles the kernels")
+    from csrc_triton.choice import choose
+    from csrc_triton.launches import describe
+    from csrc_triton.problem import Device, Problem
+
+    device = Device(device_name, sm_count, arch)
+    results: list[Compiled] = []
+    done: dict = {}
+    for case in cases:
+        for mode in (Precision.FP32, Precision.BF16_FP32OUT, Precision.BF16):
+            for bi in (False, True) if mode is not Precision.BF16 else (False,):
+                for m in sorted({*M_POINTS, 3}):
+                    bf16 = torch.bfloat16
+                    problem = Problem(m, case.hidden, case.experts, mode, bi, bf16, bf16, device)
+                    launch = choose(problem)
+                    label = f"{case.name} {mode.value}{' batch-invariant' if bi else ''} M={m}"
+                    for fn, args, kwargs in _router_launches(case, problem, launch, arch):
+                        what = f"{label} {fn.__name__} after {describe(launch)}"
+                        key = (fn.__name__, repr(sorted(kwargs.items())), tuple(_arg_key(a) for a in args))
+                        if key not in done:
+                            regs, spill = _resources(_compile(fn, args, kwargs, arch))
+                            done[key] = Compiled(what, launch.source, fn.__name__, regs, spill)
+                            if progress:
+                                print(f"{what}: {regs} registers, {spill} B spilled")
+                        results.append(replace(done[key], what=what))
+    return results
+
+
 def table_shapes(device_name: str) -> list[RouterShape]:
     """The benchmark shapes this GPU's tuned table has entries for, one name per (K, N)."""
     from csrc_triton.tables import has_shape
@@ -213,6 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--weights", choices=("all", "16-bit"), default="all", help="'16-bit': leave out fp32 gate weights"
     )
+    ap.add_argument(
+        "--routers",
+        action="store_true",
+        help="also the router op's kernels (routing kernel, fused router) for every released routing",
+    )
     ap.add_argument("--json", type=Path, help="write the per-launch results here")
     args = ap.parse_args(argv)
     if args.shapes == "table":
@@ -224,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = CASES if args.weights == "all" else tuple(c for c in CASES if c[1] is not torch.float32)
     shapes = [SHAPE_BY_NAME[s] for s in names]
     results = compile_configs(shapes, args.device_name, args.sms, args.arch, progress=True, cases=cases)
+    if args.routers:
+        results += compile_routers(router_cases(), args.device_name, args.sms, args.arch, progress=True)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
     import triton
