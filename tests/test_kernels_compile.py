@@ -1,7 +1,7 @@
 """The CUDA kernels compile ahead of time, without a GPU, with the Triton installed here.
 
-The device tests run on an H200 with Triton 3.6; vLLM 0.32's CUDA build brings Triton 3.9 (the
-version of the CPU build installed here), and the interpreter tests never compile anything. So
+The device tests run on an H200 with Triton 3.6; vLLM 0.32's CPU build installed here brings Triton
+3.9, and the interpreter tests never compile anything. So
 every config the dispatch would launch (``vllm_router_ext.tools.compile_check``: each mode, bf16 and fp32
 gate weights, batch invariance on and off, M from 1 to 16384) is compiled here for the GPUs users
 run: the H200 with its tuned table, and H100 / A100 / L40S / B200 with the heuristic configs.

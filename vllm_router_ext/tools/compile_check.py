@@ -3,8 +3,8 @@ It ships as a user's check of a Triton upgrade or a new GPU's compile (docs/kern
 
     python -m vllm_router_ext.tools.compile_check [--arch 90] [--shapes DeepSeek-V3,...] [--routers]
 
-The device tests run on an H200 with one Triton version; vLLM's CUDA build may bring another
-(vLLM 0.32: torch 2.13 and Triton 3.9, the versions of the CPU build here). CPU CI runs the
+The device tests run on an H200 with one Triton version; vLLM's CUDA builds pin others
+(:data:`TRITON_OF_VLLM`), and vLLM 0.32's CPU build here brings Triton 3.9. CPU CI runs the
 kernels only under ``TRITON_INTERPRET=1``, which never compiles them. This tool takes the launches
 the choice would make (every bucket of the tuned table for the shape, and the heuristic's for
 other GPUs), launches them through the real launchers on CPU tensors with the launch intercepted,
