@@ -260,3 +260,30 @@ print(json.dumps(out))
         assert rows[(90, "wgmma", "{'pdl': 1}", "_wgmma_ws_kernel")] == (1, 0, False)
         assert rows[(90, "wgmma", "{'pdl': 2}", "_wgmma_ws_kernel")] == (3, 0, False)  # each partition
         assert rows[(90, "wgmma", "{'pdl': 2}", "_split_sum_kernel")] == (0, 1, True)
+
+
+@pytest.mark.parametrize("fusion", ["1", "0"])
+def test_the_gemv_multiplies_and_adds_in_one_fma_whatever_the_fusion_default(fusion):
+    """The decode GEMV's inner loop is one fp32 FMA per weight element with Triton's FP fusion on or
+    off (``TRITON_DEFAULT_FP_FUSION``; Triton announces it off by default from 3.10): a multiply and
+    an add instead would cost a third more instructions for the same sum."""
+    script = """
+import torch
+from csrc_triton import pdl
+from csrc_triton.launches import GemvLaunch
+from csrc_triton.router_gemm_gemv import gemv_launch
+from vllm_router_ext.tools.compile_check import _captured_launches, _compile
+x, w = torch.zeros(2, 7168, dtype=torch.bfloat16), torch.zeros(256, 7168, dtype=torch.bfloat16)
+with _captured_launches() as launches, pdl.forced(True):
+    gemv_launch(x, w, torch.empty(2, 256), GemvLaunch(2, 2, num_warps=8))
+fn, args, kwargs = launches[0]
+ptx = _compile(fn, args, kwargs, 90).asm["ptx"]
+print(ptx.count("fma.rn.f32"), ptx.count("mul.rn.f32") + ptx.count("mul.f32"))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = fusion
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    fmas, muls = map(int, run.stdout.split()[-2:])
+    # 7168 / (8 warps x 32 threads x 8 values) = 3.5 -> 4 chunks of 8 products a thread, 2 x 2 outputs
+    assert fmas >= 4 * 8 and muls == 0, (fmas, muls)
