@@ -133,7 +133,7 @@ def test_every_dispatched_kernel_compiles(compile_runs, arch, name, sms):
 def _check_routers(results: list[dict], compiled: bool) -> None:
     """The router op's kernels, where compiled: both kinds for every released routing, none spilling
     beyond one parked 8-byte value (as the GEMV check allows: under Triton 3.7.1 the fused router of
-    ERNIE-4.5-300B at one token parks one at 40 registers)."""
+    ERNIE-4.5-300B at one token parks one at 40 registers, since the GEMV's explicit FMA)."""
     routers = [r for r in results if r["kernel"] in ROUTER_KERNELS]
     if not compiled:
         assert not routers
@@ -168,7 +168,7 @@ def test_tuned_table_compiles_without_spills_under_the_triton_users_run(users_tr
     assert {"_gemv_kernel", "_splitk_partials_kernel", "_wgmma_ws_kernel"} <= {r["kernel"] for r in results}
     _check_routers(results, True)
     assert any(r["source"].startswith("tuned") for r in results)
-    spilled = [r for r in results if r["spill_bytes"]]
+    spilled = [r for r in results if r["spill_bytes"] and r["kernel"] not in ROUTER_KERNELS]  # the table's
     unmeasured = sorted(
         {f"{r['what']}: {r['spill_bytes']} B" for r in spilled if version not in r["timed_under"]}
     )
