@@ -193,10 +193,6 @@ def compile_configs(
     return results
 
 
-#: A released routing's score function as the routing kernels take it.
-_SCORING = {"sigmoid": Scoring.SIGMOID, "softmax": Scoring.SOFTMAX, "sqrtsoftplus": Scoring.SQRTSOFTPLUS}
-
-
 @dataclass(frozen=True)
 class RouterCase:
     """A release's gate with the routing its config states, as the router op runs it."""
@@ -217,10 +213,11 @@ def router_cases() -> list[RouterCase]:
     for family in FAMILIES:
         for release in family.releases:
             rc = RoutingConfig.from_hf_config(release.config)
-            if rc.scoring_func not in _SCORING:
+            scoring = Scoring.__members__.get(rc.scoring_func.upper())  # the config's name, the kernel's
+            if scoring is None:
                 continue
             topk_group = rc.topk_group if rc.n_group > 1 else 1
-            routing = Routing(rc.top_k, _SCORING[rc.scoring_func], rc.n_group, topk_group,
+            routing = Routing(rc.top_k, scoring, rc.n_group, topk_group,
                               rc.uses_correction_bias, rc.renormalize, rc.routed_scaling_factor)  # fmt: skip
             routing.check(release.experts)
             key = (release.hidden, release.experts, routing)
@@ -265,13 +262,13 @@ def compile_routers(
     from csrc_triton.problem import Device, Problem
 
     device = Device(device_name, sm_count, arch)
+    bf16 = torch.bfloat16
     results: list[Compiled] = []
     done: dict = {}
     for case in cases:
         for mode in (Precision.FP32, Precision.BF16_FP32OUT, Precision.BF16):
             for bi in (False, True) if mode is not Precision.BF16 else (False,):
                 for m in sorted({*M_POINTS, 3}):
-                    bf16 = torch.bfloat16
                     problem = Problem(m, case.hidden, case.experts, mode, bi, bf16, bf16, device)
                     launch = choose(problem)
                     label = f"{case.name} {mode.value}{' batch-invariant' if bi else ''} M={m}"
