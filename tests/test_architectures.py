@@ -390,9 +390,10 @@ def test_deepseek_v41_routes_every_layer_by_our_gate_like_fp64(vllm_dist, tmp_pa
 
 def test_the_served_v41_checkpoint_is_laid_out_as_vllm_reads_it(tmp_path):
     """The tiny V4.1 the GPU suite serves parses in vLLM as V4.1's config: the text model flattened
-    from ``text_config`` with every field V4's model reads, a rope for both attention kinds, each
-    layer's compression from ``compress_ratios``, bf16 experts; a flat V4 config under V4.1's type
-    has no rope (vLLM fails building the attention)."""
+    from ``text_config`` with every field V4's model reads, its rope built, each layer's compression
+    from ``compress_ratios`` one V4.1's attention takes (0, 1, 2; V4's 4 and 128 stop its engine at
+    start) with the source layers it shares them from, bf16 experts; a flat V4 config under V4.1's
+    type has no rope (vLLM fails building the attention)."""
     try:
         from vllm.models.deepseek_v41.common.rope import build_deepseek_v4_rope
     except ImportError:
@@ -417,7 +418,16 @@ def test_the_served_v41_checkpoint_is_laid_out_as_vllm_reads_it(tmp_path):
         assert getattr(cfg, key) == sizes[key], key
     assert cfg.expert_dtype == "bf16" and cfg.num_nextn_predict_layers == 0
     ratios = cfg.compress_ratios
-    assert len(ratios) == sizes["num_hidden_layers"] and {4, 128} <= set(ratios)
+    assert len(ratios) == sizes["num_hidden_layers"] and set(ratios) == {0, 1, 2}
+    # The topology as V4.1's attention reads it: a compressed layer reads the compressed KV of
+    # the nearest KV source at or below it (a run of its own ratio) and the indexer of the
+    # nearest index source; the model replays from the last KV source (``max`` of the list).
+    kv, index = cfg.kv_source_layer_ids, cfg.index_source_layer_ids
+    assert kv and set(kv) <= set(index) and all(ratios[s] > 0 for s in (*kv, *index))
+    for layer, ratio in enumerate(ratios):
+        if ratio:
+            source = max(s for s in kv if s <= layer)
+            assert ratios[source] == ratio and any(s <= layer for s in index), layer
     with set_current_vllm_config(engine_free_config()):
         for ratio in sorted(set(ratios)):
             rope = build_deepseek_v4_rope(

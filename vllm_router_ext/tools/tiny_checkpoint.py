@@ -386,20 +386,37 @@ V41_ARCHITECTURE = dict(model_type="deepseek_v41", architectures=["DeepseekV41Fo
 _DERIVED = ("layer_types", "mlp_layer_types")
 
 
+def v41_topology(layers: int) -> dict:
+    """V4.1's attention topology for ``layers`` layers, in the release's proportions: sliding-window
+    layers first (ratio 0), then layers compressed by 2, then the last half compressed by 1 (V4's
+    ratios of 4 and 128 stop V4.1's engine at start). Only the first layer of each compressed run
+    computes compressed KV (``kv_source_layer_ids``; the run shares it), and the indexers run there
+    and on the last layer, which shares its run's index keys."""
+    full = max(1, layers // 2)
+    sliding = 1 if layers - full >= 2 else 0
+    ratios = [0] * sliding + [2] * (layers - full - sliding) + [1] * full
+    sources = [i for i, r in enumerate(ratios) if r and (i == 0 or ratios[i - 1] != r)]
+    return {
+        "compress_ratios": ratios,
+        "kv_source_layer_ids": sources,
+        "index_source_layer_ids": sorted({*sources, layers - 1}),
+    }
+
+
 def deepseek_v41_config(v4_config: dict) -> dict:
     """V4.1's ``config.json`` around the text model of a V4 config, laid out as the release lays it
     out: the text model under ``text_config``, its rope under ``rope_scaling``, each layer's
     compression as ``compress_ratios`` and every field transformers' V4 config defaults written out
     (V4.1's config class flattens the text model onto the top level and defaults nothing), no vision
-    layers."""
+    layers, and V4.1's attention topology (:func:`v41_topology`)."""
     from transformers import DeepseekV4Config  # transformers' own: vLLM may register another
 
     text = {k: v for k, v in v4_config.items() if k not in ("model_type", "architectures")}
     full = DeepseekV4Config(**text).to_dict()
     # V4.1's own names: each layer's compression ratio as a list, the rope as rope_scaling.
-    rates = full.pop("compress_rates")
-    full["compress_ratios"] = [rates.get(t, 0) for t in full["layer_types"]]
-    full["compress_ratios"] += [0] * full["num_nextn_predict_layers"]
+    full.pop("compress_rates")
+    full.update(v41_topology(full["num_hidden_layers"]))
+    full["compress_ratios"] += [0] * full["num_nextn_predict_layers"]  # drafts: sliding window
     full["rope_scaling"] = full.pop("rope_parameters")
     for key in ("model_type", "architectures", "transformers_version", "_name_or_path", "dtype", *_DERIVED):
         full.pop(key, None)
