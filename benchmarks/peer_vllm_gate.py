@@ -10,6 +10,7 @@ from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 from vllm_router_ext.bench_harness import FAMILY_SHAPES
 from vllm_router_ext.bench_harness import SHAPES as RELEASE_SHAPES
 
+NAME = "vLLM GateLinear cuteDSL ll_bf16"
 SHAPES = tuple(dict.fromkeys((s.k, s.n) for s in (*RELEASE_SHAPES, *FAMILY_SHAPES)))
 MS = tuple(range(1, GateLinear.LL_BF16_MAX_TOKENS + 1))
 

@@ -422,6 +422,15 @@ def test_the_peer_comes_from_a_file_or_flashinfer_or_a_note_says_how(tmp_path, m
            "cuBLAS mm out_dtype=fp32": 6.0, PEER: 2.0}  # fmt: skip
     bench.print_tables([row], ["ours fp32", "cuBLAS mm out_dtype=fp32"])
     assert "| 2 | 3.00 (0.50) [1.50] | 6.00 (1.00) | 2.00 (0.33) | 0.10 |" in capsys.readouterr().out
+    # A peer file naming its kernel gets a column of that name, in the rows and the table.
+    src.write_text(src.read_text() + 'NAME = "vLLM gate"\n')
+    peer, _ = load_peer(str(src))
+    assert peer.column == "peer (vLLM gate)"
+    named = {k: v for k, v in row.items() if k != PEER} | {peer.column: 2.0}
+    bench.print_tables([named], ["ours fp32", "cuBLAS mm out_dtype=fp32"])
+    out = capsys.readouterr().out
+    assert "| M | ours fp32 | cuBLAS mm out_dtype=fp32 | peer (vLLM gate) | floor |" in out
+    assert "| 2 | 3.00 (0.50) [1.50] | 6.00 (1.00) | 2.00 (0.33) | 0.10 |" in out and PEER not in out
 
 
 def test_bench_methods_take_turns_and_keep_each_ones_best_round(monkeypatch):

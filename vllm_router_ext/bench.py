@@ -149,15 +149,16 @@ def run_speed(
                 for name in methods
             }
             if peer is not None:
-                row[PEER] = None
+                row[peer.column] = None
                 if peer.serves(m, shape.k, shape.n):
-                    timed[PEER] = [lambda x=x, w=w: peer.fn(x, w) for x, w in zip(xs, ws, strict=True)]
+                    timed[peer.column] = [lambda x=x, w=w: peer.fn(x, w) for x, w in zip(xs, ws, strict=True)]
             for _ in range(rounds):
                 for name, calls in timed.items():
                     us = time_graph(calls, warmup=10, rep=50)
                     row[name] = us if row.get(name) is None else min(row[name], us)
             rows.append(row)
             base = row.get(BASELINE)
+            peer_us = row.get(peer.column) if peer is not None else None
             print(
                 f"{shape.name:>17} M={m:>5}  "
                 + "  ".join(f"{n.replace('ours ', '')}={row[n]:.2f}" for n in methods)
@@ -167,8 +168,8 @@ def run_speed(
                     else ""
                 )
                 + (
-                    f"  peer={row[PEER]:.2f} ours/peer={row['ours bf16-fp32out'] / row[PEER]:.2f}"
-                    if row.get(PEER) and "ours bf16-fp32out" in row
+                    f"  peer={peer_us:.2f} ours/peer={row['ours bf16-fp32out'] / peer_us:.2f}"
+                    if peer_us and "ours bf16-fp32out" in row
                     else ""
                 ),
                 flush=True,
@@ -243,18 +244,24 @@ def run_fp32_by_m(ms=(1, 7, 16, 300, 4096, 16384)) -> list[dict]:
     return rows
 
 
-def _cell(r: dict, name: str) -> str:
+def peer_column(rows: list[dict]) -> str | None:
+    """The rows' peer column (``peer (<kernel>)``), if a peer ran."""
+    return next((k for r in rows for k in r if k == PEER or k.startswith("peer (")), None)
+
+
+def _cell(r: dict, name: str, peer_name: str | None) -> str:
     """µs, (ratio to cuBLAS), [ratio to the peer] for our columns where the peer ran."""
     if r.get(name) is None:
         return "-"
-    base, peer = r.get(BASELINE), r.get(PEER)
+    base, peer = r.get(BASELINE), r.get(peer_name) if peer_name else None
     text = f"{r[name]:.2f}" + (f" ({r[name] / base:.2f})" if base else "")
     return text + (f" [{r[name] / peer:.2f}]" if peer and name.startswith("ours") else "")
 
 
 def print_tables(rows: list[dict], methods: list[str]) -> None:
-    peer = any(r.get(PEER) for r in rows)
-    cols = methods + ([PEER] if peer else [])
+    peer_name = peer_column(rows)
+    peer = peer_name is not None and any(r.get(peer_name) for r in rows)
+    cols = methods + ([peer_name] if peer else [])
     for shape in dict.fromkeys(r["shape"] for r in rows):
         sub = [r for r in rows if r["shape"] == shape]
         what = "(ratio to cuBLAS)" + (" [ratio to the peer]" if peer else "")
@@ -262,7 +269,8 @@ def print_tables(rows: list[dict], methods: list[str]) -> None:
         print("| M | " + " | ".join(cols) + " | floor |")
         print("|---:|" + "---:|" * (len(cols) + 1))
         for r in sub:
-            print(f"| {r['M']} | " + " | ".join(_cell(r, n) for n in cols) + f" | {r['floor_us']:.2f} |")
+            cells = " | ".join(_cell(r, n, peer_name) for n in cols)
+            print(f"| {r['M']} | {cells} | {r['floor_us']:.2f} |")
 
 
 def plot(rows: list[dict], methods: list[str], path: Path) -> bool:
@@ -275,7 +283,7 @@ def plot(rows: list[dict], methods: list[str], path: Path) -> bool:
     for ax, shape in zip(axes[0], shapes, strict=True):
         sub = [r for r in rows if r["shape"] == shape]
         ms = [r["M"] for r in sub]
-        for name in methods + [PEER]:
+        for name in methods + [peer_column(rows) or PEER]:
             points = [(r["M"], r[name]) for r in sub if r.get(name) is not None]
             if points:
                 ax.plot(*zip(*points, strict=True), marker="o", ms=3, label=name)

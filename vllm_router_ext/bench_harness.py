@@ -120,6 +120,8 @@ class Peer:
     shapes: tuple[tuple[int, int], ...]
     ms: tuple[int, ...]
     source: str
+    #: Its column in the benchmark's rows and tables: the kernel it times.
+    column: str = PEER
 
     def serves(self, m: int, k: int, n: int) -> bool:
         return (k, n) in self.shapes and m in self.ms
@@ -127,8 +129,9 @@ class Peer:
 
 def load_peer(path: str | None = None) -> tuple[Peer | None, str]:
     """The peer kernel and a one-line note: from ``path`` (a Python file defining ``peer_mm(x, w)``,
-    ``SHAPES`` and ``MS``, e.g. a build of TRT-LLM's kernel from source), else FlashInfer's when
-    it imports, else None with the note saying how to get it."""
+    ``SHAPES`` and ``MS``, and ``NAME``, the kernel's name for its column, where it is not TRT-LLM's
+    router GEMM: e.g. vLLM's own gate kernel), else FlashInfer's when it imports, else None with
+    the note saying how to get it."""
     if path:
         import importlib.util
 
@@ -137,7 +140,8 @@ def load_peer(path: str | None = None) -> tuple[Peer | None, str]:
             raise ValueError(f"--peer {path!r}: not a Python file")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        peer = Peer(mod.peer_mm, tuple(mod.SHAPES), tuple(mod.MS), f"{path} (peer_mm)")
+        column = f"peer ({mod.NAME})" if hasattr(mod, "NAME") else PEER
+        peer = Peer(mod.peer_mm, tuple(mod.SHAPES), tuple(mod.MS), f"{path} (peer_mm)", column)
         return peer, f"peer: {peer.source}"
     try:
         import flashinfer.gemm as fi
