@@ -246,7 +246,7 @@ def run_fp32_by_m(ms=(1, 7, 16, 300, 4096, 16384)) -> list[dict]:
 
 def peer_column(rows: list[dict]) -> str | None:
     """The rows' peer column (``peer (<kernel>)``), if a peer ran."""
-    return next((k for r in rows for k in r if k == PEER or k.startswith("peer (")), None)
+    return next((k for r in rows for k in r if k.startswith("peer (")), None)
 
 
 def _cell(r: dict, name: str, peer_name: str | None) -> str:
@@ -279,11 +279,12 @@ def plot(rows: list[dict], methods: list[str], path: Path) -> bool:
     if plt is None:
         return False
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    names = methods + [peer_column(rows) or PEER]
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4.5), squeeze=False)
     for ax, shape in zip(axes[0], shapes, strict=True):
         sub = [r for r in rows if r["shape"] == shape]
         ms = [r["M"] for r in sub]
-        for name in methods + [peer_column(rows) or PEER]:
+        for name in names:
             points = [(r["M"], r[name]) for r in sub if r.get(name) is not None]
             if points:
                 ax.plot(*zip(*points, strict=True), marker="o", ms=3, label=name)
