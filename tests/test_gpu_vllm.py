@@ -143,6 +143,7 @@ SPECS: dict[str, Spec] = {
     ),
     # DeepSeek-V4.1: every MoE layer routes by its gate (no hash layers), auto is fp32.
     "v41-auto": Spec(V41, dummy=True),
+    "v41-bf16-fp32out": Spec(V41, ("--router-precision", "bf16-fp32out"), "bf16-fp32out", dummy=True),
 }
 #: Served with vLLM's JIT monitor logging every compile after its warm-up (where vLLM has it).
 #: Not its error mode: vLLM's own fused-MoE Triton kernel compiles per new batch size on these
