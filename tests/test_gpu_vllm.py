@@ -141,6 +141,9 @@ SPECS: dict[str, Spec] = {
         draft="bf16-fp32out",
         dummy=True,
     ),
+    # The router's batch invariance on V4's gate; the capture of a V4 server (eager: it records there).
+    "v4-router-batch-invariant": Spec(V4, ("--router-batch-invariant",), dummy=True),
+    "v4-capture": Spec(V4, eager=True, dummy=True),
     # DeepSeek-V4.1: every MoE layer routes by its gate (no hash layers), auto is fp32.
     "v41-auto": Spec(V41, dummy=True),
     "v41-bf16-fp32out": Spec(V41, ("--router-precision", "bf16-fp32out"), "bf16-fp32out", dummy=True),
@@ -151,7 +154,8 @@ SPECS: dict[str, Spec] = {
 JIT_CHECKED = ["v3-fp32", "v3-fused", "v3-bf16-fp32out", "v3-router-batch-invariant", "kimi-k2", "minimax-m2",
                "v3-mtp"]  # fmt: skip
 DSA = ("deepseek-v3.2", "glm-5")  # sparse attention: vLLM's indexer kernels and graph mode differ
-SERVED = [s for s in SPECS if s != "v3-capture"]
+CAPTURED = ["v3-capture", "v4-capture"]
+SERVED = [s for s in SPECS if s not in CAPTURED]
 TAPPED = SERVED
 
 
@@ -201,7 +205,7 @@ class Servers:
                 "--gpu-memory-utilization", "0.04", "--kv-cache-memory-bytes", str(1 << 30),
                 "--max-num-seqs", "64", *spec.args,
             ]  # fmt: skip
-            if name == "v3-capture":
+            if name in CAPTURED:
                 args += ["--router-capture", str(work / "capture"), "--router-capture-tokens", "4096"]
             if spec.dummy:
                 args += ["--load-format", "dummy"]
@@ -325,6 +329,29 @@ def test_gate_logits_inside_the_served_model_match_fp64(servers, spec, tmp_path)
         if fused and name.startswith("target:") and not t.get("hash_routed"):
             assert (t["ids"][:, 0] >= 0).any(), (name, "the fused router's picks were not tapped")
         judge_tapped_gate(name, t, SPECS[spec].expect_of(name), routing)
+        if "--router-batch-invariant" in SPECS[spec].args and name.startswith("target:"):
+            judge_batch_invariance(name, t, SPECS[spec].expect_of(name))
+
+
+def _served_weight(t: dict) -> torch.Tensor:
+    """The gate weight as the server held it (the tap keeps an fp32 copy and the dtype's name)."""
+    return t["weight"].to(getattr(torch, t["weight_dtype"].removeprefix("torch.")))
+
+
+def judge_batch_invariance(name: str, t: dict, expect: str) -> None:
+    """A batch-invariant gate's served logits, bitwise: each row as the op gives it alone, and every
+    row as the op gives it inside one batch of all of them (a size no served batch had)."""
+    from vllm_router_ext.ops.router_gemm import router_gemm
+
+    if t["rows_seen"] == 0:
+        return
+    real = torch.isfinite(t["x"]).all(-1)
+    x, logits, w = t["x"][real].cuda(), t["logits"][real].cuda(), _served_weight(t).cuda()
+    whole = router_gemm(x, w, expect, batch_invariant=True)
+    assert torch.equal(whole, logits), (name, f"a batch of {x.shape[0]} rows gives other logits")
+    for i in torch.randperm(x.shape[0])[:32].tolist():
+        alone = router_gemm(x[i : i + 1], w, expect, batch_invariant=True)
+        assert torch.equal(alone[0], logits[i]), (name, f"row {i} alone gives other logits")
 
 
 def judge_tapped_gate(name: str, t: dict, expect: str, routing: RoutingConfig | None) -> None:
@@ -404,13 +431,16 @@ def test_batch_invariant_tokens_equal_alone_and_in_batches(servers, spec):
         assert got["logprobs"]["token_logprobs"] == alone["logprobs"]["token_logprobs"], size
 
 
-@pytest.mark.parametrize("spec", ["v3-capture"])
+@pytest.mark.parametrize("spec", CAPTURED)
 def test_capture_on_the_gpu_server_is_kept_at_sigterm_and_the_audit_reads_it(servers, spec, tmp_path):
     """Three completions against a 4096-token budget, then SIGTERM to ``vllm serve``: the capture
-    holds exactly the rows the gates saw (the tap), logits match fp64, the audit says partial."""
+    holds exactly the rows the gates saw (the tap), logits match fp64, the audit says partial.
+    DeepSeek-V4 is served with dummy weights: its audit reads the gates the server held (the tap's),
+    written in the release's names."""
+    import re
     import signal
 
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     server = servers.get(spec)
     capture = server.log_path.parent / "capture"
@@ -423,25 +453,35 @@ def test_capture_on_the_gpu_server_is_kept_at_sigterm_and_the_audit_reads_it(ser
     assert len(wrote) == 1 and "partial, budget 4096" in wrote[0], server.log()[-3000:]
     data = load_file(str(path))
     meta = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
-    weights = load_file(str(servers.models[spec] / "model.safetensors"))
+    dummy = SPECS[spec].dummy
+    ckpt = servers.models[spec]
+    weights = {} if dummy else load_file(str(ckpt / "model.safetensors"))
+    gates = {}  # the tapped target gate of each layer
+    for gate, t in seen.items():
+        if gate.startswith("target:") and (m := re.search(r"\.layers\.(\d+)\.", gate)):
+            gates[m.group(1)] = (gate.removeprefix("target:"), t)
     layers = [k.split(".")[1] for k in data if k.startswith("layers.")]
-    assert layers and meta["complete"] is False and meta["trimmed"]
+    assert layers and sorted(layers) == sorted(gates) and meta["complete"] is False and meta["trimmed"]
+    release = {}  # DeepSeek-V4's router in the release's names, from the gates the server held
     for layer in layers:
-        tapped = seen[f"target:model.layers.{layer}.mlp.gate"]
+        gate, tapped = gates[layer]
         assert meta["rows_per_layer"][layer] == tapped["rows_seen"] > 0
         assert torch.equal(data[f"layers.{layer}"], tapped["x"].to(data[f"layers.{layer}"].dtype))
         assert torch.equal(data[f"logits.{layer}"], tapped["logits"])
-        w = weights[f"model.layers.{layer}.mlp.gate.weight"]
+        w = _served_weight(tapped) if dummy else weights[f"{gate}.weight"]
         assert relative_error(data[f"logits.{layer}"], reference_logits(data[f"layers.{layer}"], w)) <= 1e-5
+        if dummy:
+            release[f"layers.{layer}.ffn.gate.weight"] = w.contiguous()
+            if tapped["bias"] is not None:
+                release[f"layers.{layer}.ffn.gate.bias"] = tapped["bias"].float().contiguous()
+    if dummy:
+        ckpt = tmp_path / "router-only"
+        ckpt.mkdir()
+        save_file(release, str(ckpt / "model.safetensors"))
+        shutil.copy(servers.models[spec] / "config.json", ckpt / "config.json")
     out = server.log_path.parent / "audit"
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm_router_ext.audit",
-        str(servers.models[spec]),
-        "--hidden-states",
-        str(capture),
-    ]
+    cmd = [sys.executable, "-m", "vllm_router_ext.audit", str(ckpt), "--hidden-states", str(capture)]
+    cmd += ["--allow-other-model"] if dummy else []  # the capture names the served model's directory
     p = subprocess.run(
         [*cmd, "--out", str(out), "--no-progress"], capture_output=True, text=True, timeout=300
     )
@@ -449,6 +489,9 @@ def test_capture_on_the_gpu_server_is_kept_at_sigterm_and_the_audit_reads_it(ser
     assert "capture router-capture-1-dp0: PARTIAL" in p.stdout
     result = json.loads((out / "audit.json").read_text(encoding="utf-8"))
     assert result["capture"]["complete"] is False and result["overall"]["fp32"]["rel_err"] <= 1e-6
+    if SPECS[spec].model == V4:  # the hash layers are reported as routed by their token-id table
+        hashed = sorted(int(layer) for layer in layers if gates[layer][1].get("hash_routed"))
+        assert hashed and result["table_routed_layers"] == hashed, (hashed, result.get("table_routed_layers"))
 
 
 def _stream(server: Server, prompt: str) -> int:
