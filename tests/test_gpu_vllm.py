@@ -454,8 +454,8 @@ def test_capture_on_the_gpu_server_is_kept_at_sigterm_and_the_audit_reads_it(ser
     data = load_file(str(path))
     meta = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
     dummy = SPECS[spec].dummy
-    ckpt = servers.models[spec]
-    weights = {} if dummy else load_file(str(ckpt / "model.safetensors"))
+    served = ckpt = servers.models[spec]  # the audit's checkpoint: the served one, or its router (dummy)
+    weights = {} if dummy else load_file(str(served / "model.safetensors"))
     gates = {}  # the tapped target gate of each layer
     for gate, t in seen.items():
         if gate.startswith("target:") and (m := re.search(r"\.layers\.(\d+)\.", gate)):
@@ -478,7 +478,7 @@ def test_capture_on_the_gpu_server_is_kept_at_sigterm_and_the_audit_reads_it(ser
         ckpt = tmp_path / "router-only"
         ckpt.mkdir()
         save_file(release, str(ckpt / "model.safetensors"))
-        shutil.copy(servers.models[spec] / "config.json", ckpt / "config.json")
+        shutil.copy(served / "config.json", ckpt / "config.json")
     out = server.log_path.parent / "audit"
     cmd = [sys.executable, "-m", "vllm_router_ext.audit", str(ckpt), "--hidden-states", str(capture)]
     cmd += ["--allow-other-model"] if dummy else []  # the capture names the served model's directory
