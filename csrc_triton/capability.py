@@ -4,6 +4,8 @@ both ask; each launch type declares its kernel's :class:`GpuNeeds` beside it (``
 from __future__ import annotations
 
 import functools
+import importlib
+import sys
 from dataclasses import dataclass
 
 
@@ -42,3 +44,28 @@ def gluon_available() -> bool:
     except ImportError:
         return False
     return hasattr(gl, "warp_specialize")
+
+
+#: vLLM's own low-latency router GEMM (``GateLinear``'s first tier from vLLM 0.34): bf16 x bf16
+#: products summed in fp32 on tensor cores, the ``bf16-fp32out`` mode's arithmetic.
+VLLM_GATE_MODULE = "vllm.model_executor.kernels.linear.cute_dsl.ll_bf16"
+_vllm_gate: bool | None = None
+
+
+def vllm_gate_available() -> bool:
+    """Whether this process runs a vLLM whose cuteDSL ``ll_bf16_gemm`` works here (a CUDA GPU,
+    CUTLASS's Python DSL). Only a process that has imported vLLM asks it: outside vLLM nothing
+    imports vLLM for a router GEMM (a later import of vLLM is seen then)."""
+    global _vllm_gate
+    if _vllm_gate is None:
+        if "vllm" not in sys.modules:
+            return False
+        try:
+            import torch
+
+            _vllm_gate = torch.cuda.is_available() and bool(
+                importlib.import_module(VLLM_GATE_MODULE).is_available()
+            )
+        except Exception:  # noqa: BLE001  an older vLLM, one built for another platform, no cutlass
+            _vllm_gate = False
+    return _vllm_gate

@@ -30,6 +30,7 @@ from csrc_triton.launches import (
     Launch,
     SplitKLaunch,
     TiledLaunch,
+    VllmGateLaunch,
     WgmmaWsLaunch,
     describe,
     from_bucket,
@@ -42,8 +43,16 @@ logger = logging.getLogger(f"vllm.{__name__}")
 FP32 = Precision.FP32
 
 
-def choose(p: Problem) -> Launch:
-    """What runs for ``p``."""
+#: Up to this many tokens vLLM's own gate kernel runs the ``bf16-fp32out`` mode where it can
+#: (vLLM's ``GateLinear.LL_BF16_MAX_TOKENS``): faster than our GEMV at every M measured (1-16).
+VLLM_GATE_TO_M = 16
+
+
+def choose(p: Problem, allow_vllm_gate: bool = True) -> Launch:
+    """What runs for ``p``. ``allow_vllm_gate=False``: never vLLM's own gate kernel (the fused
+    router runs its routing inside our GEMV)."""
+    if allow_vllm_gate and p.m <= VLLM_GATE_TO_M and vllm_gate_problem(p) is None:
+        return VllmGateLaunch(p.m)
     if (
         p.weight_terms
         and p.fp32
@@ -55,6 +64,27 @@ def choose(p: Problem) -> Launch:
         terms = replace(p, n=3 * p.n, weight_dtype=torch.bfloat16, weight_terms=False)
         return Fp32WeightTermsLaunch(choose(terms))
     return resolve(selected(p), p)
+
+
+def vllm_gate_problem(p: Problem) -> str | None:
+    """Why vLLM's own gate kernel (:class:`VllmGateLaunch`) cannot run ``p`` (None: it can): it
+    multiplies bf16 by bf16 into fp32 logits (the ``bf16-fp32out`` mode), its sum's order changes
+    with M (never batch-invariant), it reads dense rows of K a multiple of 8, and it needs the GPUs
+    vLLM runs it on and a vLLM in this process that has it. The cheap facts are asked first: this is
+    asked on every call."""
+    if p.precision is not Precision.BF16_FP32OUT or p.batch_invariant:
+        return f"{p.precision.value}{', batch-invariant' if p.batch_invariant else ''} (needs bf16-fp32out)"
+    if p.x_dtype != torch.bfloat16 or p.weight_dtype != torch.bfloat16:
+        return f"operands {p.x_dtype} x {p.weight_dtype} (needs bfloat16 x bfloat16)"
+    if not p.contiguous or p.k % 8:
+        return f"K={p.k}, contiguous={p.contiguous} (needs dense rows, K a multiple of 8)"
+    if p.interpreting:
+        return "TRITON_INTERPRET=1"
+    if (unmet := VllmGateLaunch.needs.unmet(p.device.capability)) is not None:
+        return unmet
+    if not p.device.has_vllm_gate:
+        return "no vLLM with its cuteDSL ll_bf16 kernel in this process"
+    return None
 
 
 def selected(p: Problem, allow_wgmma_ws: bool = True) -> KernelLaunch:

@@ -5,6 +5,7 @@ and CUDA graphs never freeze a branch on M."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from collections.abc import Callable
@@ -12,7 +13,15 @@ from collections.abc import Callable
 import torch
 
 from csrc_triton import choice
-from csrc_triton.launches import CublasLaunch, Fp32WeightTermsLaunch, GemvLaunch, KernelLaunch, describe
+from csrc_triton.capability import VLLM_GATE_MODULE
+from csrc_triton.launches import (
+    CublasLaunch,
+    Fp32WeightTermsLaunch,
+    GemvLaunch,
+    KernelLaunch,
+    VllmGateLaunch,
+    describe,
+)
 from csrc_triton.pdl import pdl_enabled
 from csrc_triton.problem import Precision, Problem
 from csrc_triton.routing import Routing, route_logits
@@ -50,6 +59,8 @@ def _gemm(
     """The logits of ``launch``, the choice for ``problem`` (M > 0)."""
     if isinstance(launch, CublasLaunch):
         return _cublas(x, weight, problem.logits_dtype)
+    if isinstance(launch, VllmGateLaunch):
+        return _vllm_gate(x, weight)
     out = torch.empty((problem.m, problem.n), dtype=problem.logits_dtype, device=x.device)
     if isinstance(launch, Fp32WeightTermsLaunch):
         return _by_terms(launch, x, weight_terms.contiguous(), out)
@@ -83,7 +94,7 @@ def route_cuda(
     problem = Problem.of(x, weight, precision, batch_invariant, weight_terms is not None)
     if m == 0:
         return weights, ids, torch.empty((0, problem.n), dtype=problem.logits_dtype, device=x.device)
-    launch = choice.choose(problem)  # once: the GEMM below runs this launch
+    launch = choice.choose(problem, allow_vllm_gate=not fused)  # once: the GEMM below runs this launch
     pdl = pdl_enabled(x.device)
     if isinstance(launch, GemvLaunch):
         logits = torch.empty((m, problem.n), dtype=problem.logits_dtype, device=x.device)
@@ -172,6 +183,8 @@ def launch_exactly(
     if run is None:
         if kind is CublasLaunch:
             run = _cublas_launch
+        elif kind is VllmGateLaunch:
+            run = _vllm_gate_launch
         elif name := getattr(kind, "launcher", ""):
             module, function = name.split(":")
             run = getattr(importlib.import_module(module), function)
@@ -190,6 +203,22 @@ def _cublas_launch(
     x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, launch: CublasLaunch
 ) -> torch.Tensor:
     return _cublas(x, weight, out.dtype)
+
+
+def _vllm_gate(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """vLLM's own gate kernel (it allocates its fp32 output; imported where the choice found it)."""
+    return _vllm_gate_gemm()(x, weight)
+
+
+@functools.cache
+def _vllm_gate_gemm() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return importlib.import_module(VLLM_GATE_MODULE).ll_bf16_gemm
+
+
+def _vllm_gate_launch(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, launch: VllmGateLaunch
+) -> torch.Tensor:
+    return out.copy_(_vllm_gate(x, weight))
 
 
 def fp32_weight_terms(weight: torch.Tensor) -> torch.Tensor:

@@ -121,6 +121,21 @@ class CublasLaunch:
 
 
 @dataclass(frozen=True)
+class VllmGateLaunch:
+    """vLLM's own router GEMM for 1-16 tokens (cuteDSL ``ll_bf16_gemm``, the first tier of its
+    ``GateLinear``): the ``bf16-fp32out`` mode's arithmetic, faster there than our Triton GEMV on
+    the H100 and the H200 (docs/kernels.md). It compiles per token count ``m`` (a dot product up to
+    4 tokens, a clustered split-K above, tuned by vLLM per M), so each ``m`` is its own launch:
+    the warm-up runs every one."""
+
+    kernel: ClassVar[str] = "vllm_ll_bf16"
+    title: ClassVar[str] = "vLLM cuteDSL ll_bf16"
+    needs: ClassVar[GpuNeeds] = GpuNeeds(90, 110, gpus="Hopper or datacenter Blackwell, sm_90-sm_10x")
+    m: int
+    source: str = "vLLM"
+
+
+@dataclass(frozen=True)
 class Fp32WeightTermsLaunch:
     """An fp32 gate weight's GEMM as one launch on its three bf16 terms ``[3N, K]`` (``terms``,
     the fp32 mode's launch for that problem), then hi + mid + lo added per logit."""
@@ -132,8 +147,8 @@ class Fp32WeightTermsLaunch:
     source: str = "heuristic"
 
 
-Launch = GemvLaunch | SplitKLaunch | TiledLaunch | WgmmaWsLaunch | CublasLaunch | Fp32WeightTermsLaunch
-KernelLaunch = GemvLaunch | SplitKLaunch | TiledLaunch | WgmmaWsLaunch | CublasLaunch
+KernelLaunch = GemvLaunch | SplitKLaunch | TiledLaunch | WgmmaWsLaunch | CublasLaunch | VllmGateLaunch
+Launch = KernelLaunch | Fp32WeightTermsLaunch
 
 #: The kernels a table bucket may name, by name.
 BY_KERNEL: dict[str, type] = {
@@ -183,6 +198,8 @@ def describe(launch: Launch) -> str:
     """A launch for logs: ``cuBLAS`` or ``triton <kernel>(field=value,...)``, defaults left out."""
     if isinstance(launch, CublasLaunch):
         return "cuBLAS"
+    if isinstance(launch, VllmGateLaunch):
+        return f"{launch.title}(m={launch.m})"
     if isinstance(launch, Fp32WeightTermsLaunch):
         return f"fp32 weight as three bf16 terms: {describe(launch.terms)}"
     parts = []

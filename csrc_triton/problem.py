@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from csrc_triton.capability import gluon_available
+from csrc_triton.capability import gluon_available, vllm_gate_available
 from csrc_triton.environment import interpreting
 
 
@@ -28,21 +28,27 @@ class Precision(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Device:
-    """The facts of a GPU the choice depends on. ``gluon`` None: ask this Triton."""
+    """The facts of a GPU the choice depends on. ``gluon`` None: ask this Triton; ``vllm_gate``
+    None: ask this process (vLLM's own gate kernel, :func:`vllm_gate_available`)."""
 
     name: str
     sm_count: int
     capability: int  # compute capability x10
     cublas: bool = True
     gluon: bool | None = None
+    vllm_gate: bool | None = None
 
     @property
     def has_gluon(self) -> bool:
         return gluon_available() if self.gluon is None else self.gluon
 
+    @property
+    def has_vllm_gate(self) -> bool:
+        return vllm_gate_available() if self.vllm_gate is None else self.vllm_gate
 
-#: Off-GPU (the interpreter): compiled as for an H200-sized Hopper, without cuBLAS.
-CPU_INTERPRETER = Device("cpu-interpreter", 132, 90, cublas=False)
+
+#: Off-GPU (the interpreter): compiled as for an H200-sized Hopper, without cuBLAS or vLLM's kernel.
+CPU_INTERPRETER = Device("cpu-interpreter", 132, 90, cublas=False, vllm_gate=False)
 
 
 @functools.lru_cache(maxsize=8)
@@ -54,7 +60,8 @@ def cuda_device(index: int) -> Device:
 @dataclass(frozen=True)
 class Problem:
     """One router GEMM ``[m, k] x [n, k]^T`` to run. ``weight_terms``: an fp32 weight's three bf16
-    terms are at hand; ``layout_problem``: why TMA cannot read the operands (None: it can)."""
+    terms are at hand; ``layout_problem``: why TMA cannot read the operands (None: it can);
+    ``contiguous``: both operands are dense row-major (what vLLM's gate kernel takes)."""
 
     m: int
     k: int
@@ -67,6 +74,7 @@ class Problem:
     weight_terms: bool = False
     layout_problem: str | None = None
     interpreting: bool = False
+    contiguous: bool = True
 
     @classmethod
     def of(
@@ -91,6 +99,7 @@ class Problem:
             weight_terms,
             tma_problem(x, weight),
             interpreting(),
+            x.is_contiguous() and weight.is_contiguous(),
         )
 
     @property

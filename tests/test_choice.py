@@ -491,3 +491,65 @@ def test_an_fp32_weight_gemv_with_several_tokens_a_program_runs_8_warps_uncapped
     assert (scout.block_m, scout.block_n, scout.num_warps, scout.maxnreg) == (1, 1, 8, 255)
     four = Problem(4, 7168, 384, Precision.FP32, device=h200)
     assert choice.choose(replace(four, weight_dtype=torch.float32)) == choice.choose(four)  # to 4 tokens
+
+
+def test_vllm_gate_kernel_serves_bf16_fp32out_at_1_to_16_tokens_where_it_can():
+    """Inside a vLLM that has its cuteDSL ``ll_bf16_gemm`` (Hopper, datacenter Blackwell) the
+    ``bf16-fp32out`` mode runs it at 1-16 tokens; never in another mode, batch-invariant, on
+    other operands, another GPU, without that vLLM, or for the fused router."""
+    h200 = Device("NVIDIA H200", 132, 90, vllm_gate=True)
+    for m in range(1, choice.VLLM_GATE_TO_M + 1):
+        p = Problem(m, 7168, 256, Precision.BF16_FP32OUT, device=h200)
+        assert choice.choose(p) == launches.VllmGateLaunch(m), m
+        assert choice.choose(p, allow_vllm_gate=False).kernel == "gemv"  # what the fused router runs
+    p = Problem(8, 4096, 256, Precision.BF16_FP32OUT, device=h200)
+    assert choice.choose(replace(p, m=17)).kernel != launches.VllmGateLaunch.kernel
+    refused = {
+        "fp32 (needs bf16-fp32out)": replace(p, precision=Precision.FP32),
+        "bf16 (needs bf16-fp32out)": replace(p, precision=Precision.BF16),
+        "batch-invariant (needs bf16-fp32out)": replace(p, batch_invariant=True),
+        "(needs bfloat16 x bfloat16)": replace(p, weight_dtype=torch.float32),
+        "contiguous=False": replace(p, contiguous=False),
+        "K=4100": replace(p, k=4100),
+        "TRITON_INTERPRET=1": replace(p, interpreting=True),
+        "capability 8.9 (needs Hopper or datacenter Blackwell": replace(p, device=Device("L40S", 142, 89)),
+        "compute capability 12.0": replace(p, device=Device("RTX", 170, 120, vllm_gate=True)),
+        "no vLLM with its cuteDSL ll_bf16 kernel": replace(p, device=replace(h200, vllm_gate=False)),
+    }
+    for why, problem in refused.items():
+        assert why in choice.vllm_gate_problem(problem), why
+        assert choice.choose(problem).kernel != launches.VllmGateLaunch.kernel, why
+    assert choice.vllm_gate_problem(replace(p, device=Device("B200", 148, 100, vllm_gate=True))) is None
+    assert describe(launches.VllmGateLaunch(3)) == "vLLM cuteDSL ll_bf16(m=3)"
+
+
+def test_vllm_gate_kernel_is_asked_of_a_process_running_vllm_only(monkeypatch):
+    """Outside vLLM nothing imports vLLM for a router GEMM; inside, its module decides once."""
+    import importlib
+    import sys
+    import types
+
+    from csrc_triton import capability
+
+    monkeypatch.setattr(capability, "_vllm_gate", None)
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    imported = []
+    monkeypatch.setattr(importlib, "import_module", lambda name: imported.append(name))
+    assert capability.vllm_gate_available() is False and not imported and capability._vllm_gate is None
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    fake = types.SimpleNamespace(is_available=lambda: True)
+    monkeypatch.setattr(importlib, "import_module", lambda name: imported.append(name) or fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert capability.vllm_gate_available() is True and imported == [capability.VLLM_GATE_MODULE]
+    assert capability.vllm_gate_available() is True and len(imported) == 1  # decided once
+    monkeypatch.setattr(capability, "_vllm_gate", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert capability.vllm_gate_available() is False  # vLLM without a GPU: never
+    monkeypatch.setattr(capability, "_vllm_gate", None)
+
+    def broken(name):
+        raise RuntimeError("vLLM on x86 CPUs requires Triton (triton-cpu)")
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert capability.vllm_gate_available() is False

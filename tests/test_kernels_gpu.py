@@ -612,3 +612,52 @@ def test_a_table_entry_too_big_for_this_gpu_is_shrunk_to_the_same_sums(monkeypat
     ref = launch_into(fits, x, w, torch.full_like(out, float("nan")))
     assert torch.equal(out, ref)
     assert _rel(out, x, w) <= 1e-6
+
+
+def _vllm_gate_kernel():
+    """vLLM's ``ll_bf16_gemm``, or a skip saying why this process has none."""
+    try:
+        import vllm  # noqa: F401  only a process running vLLM asks for its kernel
+    except ImportError:
+        pytest.skip("needs vLLM >= 0.34 for its cuteDSL ll_bf16 kernel: vLLM is not installed here")
+    from csrc_triton.capability import VLLM_GATE_MODULE, vllm_gate_available
+
+    if not vllm_gate_available():
+        pytest.skip("this vLLM's cuteDSL ll_bf16 kernel cannot run here (vLLM < 0.34, no CUTLASS DSL or GPU)")
+    import importlib
+
+    return importlib.import_module(VLLM_GATE_MODULE).ll_bf16_gemm
+
+
+@pytest.mark.parametrize("shape", GATES, ids=lambda s: s.name)
+def test_vllm_gate_kernel_runs_bf16_fp32out_at_1_to_16_tokens(shape):
+    """Inside vLLM the op runs vLLM's own gate kernel in ``bf16-fp32out`` at 1-16 tokens: its
+    logits bitwise, within the mode's 1e-5 of fp64, into a poisoned buffer too, and replayed from
+    a CUDA graph with new inputs; from 17 tokens our kernels."""
+    from csrc_triton.launches import VllmGateLaunch
+
+    ll_bf16_gemm = _vllm_gate_kernel()
+    for m in range(1, choice.VLLM_GATE_TO_M + 2):
+        x, w = _xw(m, shape)
+        launch = _pick(x, w, "bf16-fp32out")
+        if m > choice.VLLM_GATE_TO_M:
+            assert not isinstance(launch, VllmGateLaunch)
+            continue
+        assert launch == VllmGateLaunch(m)
+        got = router_gemm(x, w, "bf16-fp32out")
+        assert torch.equal(got, ll_bf16_gemm(x, w)), m
+        assert _rel(got, x, w) <= 1e-5, m
+        out = torch.full((m, shape.n), float("nan"), device="cuda")
+        assert torch.equal(launch_exactly(launch, x, w, out), got) and torch.equal(out, got)
+        assert not isinstance(_pick(x, w, "bf16-fp32out", batch_invariant=True), VllmGateLaunch)
+        assert not isinstance(_pick(x, w, "fp32"), VllmGateLaunch)
+    x, w = _xw(choice.VLLM_GATE_TO_M, shape)
+    router_gemm(x, w, "bf16-fp32out")  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = router_gemm(x, w, "bf16-fp32out")
+    x.copy_(torch.randn_like(x, dtype=torch.float32).to(torch.bfloat16))
+    logits.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(logits, ll_bf16_gemm(x, w)) and _rel(logits, x, w) <= 1e-5

@@ -234,3 +234,29 @@ def test_the_cache_baking_command_refuses_bad_input_in_one_line(argv, message):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert message in p.stderr.strip().splitlines()[-1]
+
+
+def test_the_warm_up_runs_vllms_gate_kernel_at_every_token_count_it_serves(monkeypatch):
+    """vLLM's own gate kernel compiles per token count: where the choice runs it (bf16-fp32out,
+    1-16 tokens, inside a vLLM that has it) the warm-up runs each of those counts once."""
+    import csrc_triton.dispatch as dispatch
+    from csrc_triton.dispatch import router_gemm_cuda
+
+    h200 = dataclasses.replace(H200, vllm_gate=True)
+    problem = Problem(1, 4096, 256, BF16_FP32OUT, False, torch.bfloat16, torch.bfloat16, h200)
+    sizes = warmup_sizes(problem, 8192)
+    vllm_sizes = [m for m in sizes if m <= choice.VLLM_GATE_TO_M]
+    assert vllm_sizes == list(range(1, choice.VLLM_GATE_TO_M + 1)) and len(sizes) > len(vllm_sizes)
+    ran = []
+
+    def vllm_gate(x, w):
+        ran.append(x.shape[0])
+        return torch.full((x.shape[0], w.shape[0]), float(x.shape[0]))
+
+    monkeypatch.setattr(dispatch, "_vllm_gate", vllm_gate)
+    monkeypatch.setattr(problem_types, "CPU_INTERPRETER", h200)
+    monkeypatch.setattr(problem_types, "interpreting", lambda: False)
+    x, w = torch.zeros((16, 4096), dtype=torch.bfloat16), torch.zeros((256, 4096), dtype=torch.bfloat16)
+    for m in vllm_sizes:
+        assert torch.equal(router_gemm_cuda(x[:m], w, BF16_FP32OUT, False), torch.full((m, 256), float(m)))
+    assert ran == vllm_sizes

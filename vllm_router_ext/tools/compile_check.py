@@ -134,7 +134,7 @@ def launches_to_compile(
     from csrc_triton.problem import Device, Problem
     from csrc_triton.tables import bucket_for, table_buckets
 
-    device = Device(device_name, sm_count, arch)
+    device = Device(device_name, sm_count, arch, vllm_gate=False)  # Triton launches only
     seen: dict = {}
     for mode, w_dtype in cases:
         for bi in (False, True) if mode is not Precision.BF16 else (False,):
@@ -261,7 +261,7 @@ def compile_routers(
     from csrc_triton.launches import describe
     from csrc_triton.problem import Device, Problem
 
-    device = Device(device_name, sm_count, arch)
+    device = Device(device_name, sm_count, arch, vllm_gate=False)  # Triton launches only
     bf16 = torch.bfloat16
     results: list[Compiled] = []
     done: dict = {}
