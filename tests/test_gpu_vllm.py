@@ -43,6 +43,7 @@ def _cuda_vllm() -> str | None:
 _WHY = _cuda_vllm()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
 
+from csrc_triton.capability import vllm_gate_available  # noqa: E402
 from vllm_router_ext.ops.routing_fp64 import (  # noqa: E402
     RoutingConfig,
     near_tie_mask,
@@ -168,6 +169,8 @@ def _has_jit_monitor() -> bool:
 
 
 _HAS_JIT_MONITOR = _WHY is None and _has_jit_monitor()
+#: bf16-fp32out runs vLLM's own gate kernel at 1-16 tokens where this vLLM and GPU have it.
+_VLLM_GATE = _WHY is None and vllm_gate_available()
 
 
 class Servers:
@@ -285,7 +288,9 @@ def test_serves_with_defaults_and_names_the_gpu_kernels(servers, spec):
         if "--router-batch-invariant" in SPECS[spec].args:
             assert implementation.startswith(BI_KERNEL), line
         else:  # the kernel per range of M, and where its configs come from: the tuned table, or why not
-            assert implementation.startswith("by M at run time: triton "), line
+            vllm_gate = expect == "bf16-fp32out" and _VLLM_GATE
+            first = "vLLM cuteDSL ll_bf16 M<=16, triton " if vllm_gate else "triton "
+            assert implementation.startswith(f"by M at run time: {first}"), line
             assert "tuned table " in implementation or "heuristic configs: " in implementation, line
         assert f"weight {SPECS[spec].weight}" in line, line  # FP8 checkpoints too: the gate is not quantized
     assert "is quantized; leaving it" not in log
