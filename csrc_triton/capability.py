@@ -69,3 +69,10 @@ def vllm_gate_available() -> bool:
         except Exception:  # noqa: BLE001  an older vLLM, one built for another platform, no cutlass
             _vllm_gate = False
     return _vllm_gate
+
+
+def vllm_gate_failed() -> None:
+    """vLLM's gate kernel failed to run here (e.g. a package its compile imports is missing): the
+    choice stops asking for it in this process."""
+    global _vllm_gate
+    _vllm_gate = False

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from csrc_triton import choice
-from csrc_triton.capability import VLLM_GATE_MODULE
+from csrc_triton.capability import VLLM_GATE_MODULE, vllm_gate_failed
 from csrc_triton.launches import (
     CublasLaunch,
     Fp32WeightTermsLaunch,
@@ -60,7 +60,20 @@ def _gemm(
     if isinstance(launch, CublasLaunch):
         return _cublas(x, weight, problem.logits_dtype)
     if isinstance(launch, VllmGateLaunch):
-        return _vllm_gate(x, weight)
+        try:
+            return _vllm_gate(x, weight)
+        except Exception as e:  # noqa: BLE001  an incomplete install must not fail a serving step
+            vllm_gate_failed()
+            fallback = choice.choose(problem, allow_vllm_gate=False)
+            logger.warning(
+                "vllm-router-ext: vLLM's cuteDSL ll_bf16 kernel failed (%s: %s); our kernels run "
+                "bf16-fp32out at 1-%d tokens instead (here %s)",
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+                choice.VLLM_GATE_TO_M,
+                describe(fallback),
+            )
+            return _gemm(fallback, problem, x, weight, weight_terms)
     out = torch.empty((problem.m, problem.n), dtype=problem.logits_dtype, device=x.device)
     if isinstance(launch, Fp32WeightTermsLaunch):
         return _by_terms(launch, x, weight_terms.contiguous(), out)

@@ -260,3 +260,33 @@ def test_the_warm_up_runs_vllms_gate_kernel_at_every_token_count_it_serves(monke
     for m in vllm_sizes:
         assert torch.equal(router_gemm_cuda(x[:m], w, BF16_FP32OUT, False), torch.full((m, 256), float(m)))
     assert ran == vllm_sizes
+
+
+def test_a_failing_vllm_gate_kernel_falls_back_to_ours_with_one_warning(monkeypatch):
+    """vLLM's gate kernel that cannot run here (a package its compile imports missing: the warm-up
+    is its first call) costs one warning, never a serving step: our kernels give the logits, and
+    the process stops asking for it."""
+    import csrc_triton.dispatch as dispatch
+    from csrc_triton import capability
+    from csrc_triton.dispatch import router_gemm_cuda
+    from vllm_router_ext.ops.routing_fp64 import reference_logits, relative_error
+
+    monkeypatch.setattr(capability, "_vllm_gate", True)  # as inside a vLLM that has it
+    tries, warnings = [], []
+
+    def broken(x, w):
+        tries.append(x.shape[0])
+        raise ModuleNotFoundError("No module named 'quack'")
+
+    monkeypatch.setattr(dispatch, "_vllm_gate", broken)
+    monkeypatch.setattr(dispatch.logger, "warning", lambda msg, *args: warnings.append(msg % args))
+    monkeypatch.setattr(problem_types, "CPU_INTERPRETER", Device("NVIDIA H200", 132, 90, cublas=False))
+    monkeypatch.setattr(problem_types, "interpreting", lambda: False)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(16, 64, generator=gen) / 8).to(torch.bfloat16)
+    first = router_gemm_cuda(x, w, BF16_FP32OUT, False)
+    again = router_gemm_cuda(x, w, BF16_FP32OUT, False)
+    assert tries == [3] and capability._vllm_gate is False
+    assert len(warnings) == 1 and "No module named 'quack'" in warnings[0] and "triton gemv" in warnings[0]
+    assert torch.equal(first, again) and relative_error(first, reference_logits(x, w)) <= 1e-6
