@@ -406,6 +406,7 @@ def test_the_served_v41_checkpoint_is_laid_out_as_vllm_reads_it(tmp_path):
         GPU_V4_SIZES,
         TINY_V4,
         V41_ARCHITECTURE,
+        V41_IMAGE_TOKEN,
         build_tiny_deepseek_v4,
         write_tiny_deepseek_v4_config,
     )
@@ -437,6 +438,19 @@ def test_the_served_v41_checkpoint_is_laid_out_as_vllm_reads_it(tmp_path):
             assert isinstance(rope, torch.nn.Module)
     flat = write_tiny_deepseek_v4_config(tmp_path / "flat", **GPU_V4_SIZES, **V41_ARCHITECTURE)
     assert not hasattr(get_config(str(flat), trust_remote_code=False), "rope_parameters")
+    # V4.1's tokenizer holds its image placeholder at the release's id (vLLM refuses one without)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    image, image_id = V41_IMAGE_TOKEN
+    assert tokenizer.convert_tokens_to_ids(image) == image_id < cfg.vocab_size
+    ids = tokenizer(f"def f(x):{image} return x")["input_ids"]
+    assert ids.count(image_id) == 1 and max(i for i in ids if i != image_id) < TINY_V4["vocab_size"]
+    try:
+        from vllm.models.deepseek_v41.common.mm_preprocess import validate_image_sentinel_ids
+    except ImportError:  # a vLLM without V4.1's image path
+        return
+    validate_image_sentinel_ids(tokenizer)
 
 
 def test_a_routing_path_that_skips_the_gate_is_refused_when_asked_and_keeps_vllms_gate_on_auto(

@@ -216,8 +216,9 @@ def _write_generation_config(out: Path) -> None:
     )
 
 
-def _write_tokenizer(out: Path, vocab_size: int) -> None:
-    """Train a byte-level BPE on this Python installation's own stdlib sources (always local)."""
+def _write_tokenizer(out: Path, vocab_size: int, specials: dict[str, int] | None = None) -> None:
+    """Train a byte-level BPE on this Python installation's own stdlib sources (always local);
+    ``specials``: special tokens at fixed ids (a release's), the ids between filled with unused ones."""
     import os
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -235,6 +236,8 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
         show_progress=False,
     )
     tok.train(files, trainer)
+    if specials:
+        tok = _with_specials_at(tok, specials)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|begin|>", eos_token="<|end|>", pad_token="<|end|>"
     )
@@ -243,6 +246,26 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
         "{% if add_generation_prompt %}assistant: {% endif %}"
     )
     fast.save_pretrained(str(out))
+
+
+def _with_specials_at(tok, specials: dict[str, int]):
+    """``tok`` with each special token at its id: the vocabulary grows to the largest id with tokens
+    no merge reaches, and each special is an added token matched before the BPE."""
+    from tokenizers import Tokenizer
+
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    taken = set(specials.values())
+    for i in range(len(vocab), max(taken) + 1):
+        if i not in taken:
+            vocab[f"<unused_{i}>"] = i
+    for text, i in specials.items():
+        vocab[text] = i
+        data["added_tokens"].append(
+            {"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": True}
+        )  # fmt: skip
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def build_tiny_deepseek_v3(
@@ -382,6 +405,10 @@ GPU_V4_SIZES = dict(
 
 #: DeepSeek-V4.1's architecture (vLLM's ``vllm/models/deepseek_v41``): V4's text model and MoE block.
 V41_ARCHITECTURE = dict(model_type="deepseek_v41", architectures=["DeepseekV41ForCausalLM"])
+#: V4.1's image placeholder at the id its tokenizer has (vLLM's V4.1 keys image routing off that id
+#: and refuses a tokenizer without it at start-up), and the release's vocabulary around it.
+V41_IMAGE_TOKEN = ("<｜deepseek_image｜>", 129264)
+V41_VOCAB_SIZE = 129280
 #: Per-layer lists transformers' V4 config derives in its own names, which its base class refuses.
 _DERIVED = ("layer_types", "mlp_layer_types")
 
@@ -434,9 +461,11 @@ def build_tiny_deepseek_v4(
     """A tiny DeepSeek-V4 (or, with ``v41``, V4.1) for the GPU (:data:`GPU_V4_SIZES`): config,
     generation config and tokenizer, no weights (served with ``--load-format dummy``)."""
     sizes = {**GPU_V4_SIZES, "num_nextn_predict_layers": mtp_layers, **overrides}
+    if v41:
+        sizes.setdefault("vocab_size", V41_VOCAB_SIZE)
     out = write_tiny_deepseek_v4_config(out_dir, v41=v41, **sizes)
     _write_generation_config(out)
-    _write_tokenizer(out, TINY_V4["vocab_size"])
+    _write_tokenizer(out, TINY_V4["vocab_size"], dict([V41_IMAGE_TOKEN]) if v41 else None)
     return out
 
 
