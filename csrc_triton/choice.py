@@ -51,7 +51,12 @@ VLLM_GATE_TO_M = 16
 def choose(p: Problem, allow_vllm_gate: bool = True) -> Launch:
     """What runs for ``p``. ``allow_vllm_gate=False``: never vLLM's own gate kernel (the fused
     router runs its routing inside our GEMV)."""
-    if allow_vllm_gate and p.m <= VLLM_GATE_TO_M and vllm_gate_problem(p) is None:
+    if (
+        allow_vllm_gate
+        and p.m <= VLLM_GATE_TO_M
+        and p.precision is Precision.BF16_FP32OUT  # asked first: no message built for the other modes
+        and vllm_gate_problem(p) is None
+    ):
         return VllmGateLaunch(p.m)
     if (
         p.weight_terms
