@@ -407,6 +407,7 @@ def test_the_served_v41_checkpoint_is_laid_out_as_vllm_reads_it(tmp_path):
         TINY_V4,
         V41_ARCHITECTURE,
         V41_IMAGE_TOKEN,
+        V41_SERVE_ARGS,
         build_tiny_deepseek_v4,
         write_tiny_deepseek_v4_config,
     )
@@ -446,6 +447,20 @@ def test_the_served_v41_checkpoint_is_laid_out_as_vllm_reads_it(tmp_path):
     assert tokenizer.convert_tokens_to_ids(image) == image_id < cfg.vocab_size
     ids = tokenizer(f"def f(x):{image} return x")["input_ids"]
     assert ids.count(image_id) == 1 and max(i for i in ids if i != image_id) < TINY_V4["vocab_size"]
+    # Served as the GPU suite serves it (V41_SERVE_ARGS): text only, so vLLM profiles no image
+    # encoder, which the checkpoint has no layers for; without those arguments it would.
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    def image_limit(*args: str) -> int:
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+        argv = ["--model", str(path), "--load-format", "dummy", "--max-model-len", "512", *args]
+        ns = parser.parse_args(argv)
+        model_config = EngineArgs.from_cli_args(ns).create_model_config()
+        return model_config.multimodal_config.get_limit_per_prompt("image")
+
+    assert json.loads((path / "config.json").read_text())["vision_config"]["num_hidden_layers"] == 0
+    assert image_limit(*V41_SERVE_ARGS) == 0 and image_limit() > 0
     try:
         from vllm.models.deepseek_v41.common.mm_preprocess import validate_image_sentinel_ids
     except ImportError:  # a vLLM without V4.1's image path

@@ -55,6 +55,7 @@ from vllm_router_ext.tools.server import Server, precision_lines, start_server  
 from vllm_router_ext.tools.tiny_checkpoint import (  # noqa: E402
     FAMILY_PRESETS,
     GPU_MLA_SIZES,
+    V41_SERVE_ARGS,
     build_tiny_deepseek_v4,
     build_tiny_family,
     build_tiny_model,
@@ -97,7 +98,6 @@ class Spec:
 
 V4 = "deepseek-v4"  # served from a config alone (build_tiny_deepseek_v4), with dummy weights
 V41 = "deepseek-v4.1"  # the same sizes in V4.1's layout (vLLM's ``vllm/models/deepseek_v41``), bf16 experts
-V41_TEXT = ("--language-model-only",)
 MTP = ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1}))
 SPECS: dict[str, Spec] = {
     "v3-auto": Spec("deepseek-v3"),
@@ -146,11 +146,10 @@ SPECS: dict[str, Spec] = {
     # The router's batch invariance on V4's gate; the capture of a V4 server (eager: it records there).
     "v4-router-batch-invariant": Spec(V4, ("--router-batch-invariant",), dummy=True),
     "v4-capture": Spec(V4, eager=True, dummy=True),
-    # DeepSeek-V4.1: every MoE layer routes by its gate (no hash layers), auto is fp32. Served as
-    # text only: the tiny checkpoint has no vision layers for vLLM's encoder profiling to run.
-    "v41-auto": Spec(V41, V41_TEXT, dummy=True),
+    # DeepSeek-V4.1: every MoE layer routes by its gate (no hash layers), auto is fp32; text only.
+    "v41-auto": Spec(V41, V41_SERVE_ARGS, dummy=True),
     "v41-bf16-fp32out": Spec(
-        V41, (*V41_TEXT, "--router-precision", "bf16-fp32out"), "bf16-fp32out", dummy=True
+        V41, (*V41_SERVE_ARGS, "--router-precision", "bf16-fp32out"), "bf16-fp32out", dummy=True
     ),
 }
 #: Served with vLLM's JIT monitor logging every compile after its warm-up (where vLLM has it).

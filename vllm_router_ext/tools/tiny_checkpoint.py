@@ -409,6 +409,9 @@ V41_ARCHITECTURE = dict(model_type="deepseek_v41", architectures=["DeepseekV41Fo
 #: and refuses a tokenizer without it at start-up), and the release's vocabulary around it.
 V41_IMAGE_TOKEN = ("<｜deepseek_image｜>", 129264)
 V41_VOCAB_SIZE = 129280
+#: How a tiny V4.1 is served: text only (every modality's limit 0), since it has no vision layers for
+#: vLLM to profile its image encoder with at start-up.
+V41_SERVE_ARGS = ("--language-model-only",)
 #: Per-layer lists transformers' V4 config derives in its own names, which its base class refuses.
 _DERIVED = ("layer_types", "mlp_layer_types")
 
