@@ -565,6 +565,11 @@ NEW_FAMILY_CHECKPOINTS = {
     "laguna": ({"model_type": "laguna", "architectures": ["LagunaForCausalLM"], "hidden_size": 256,
                 "num_experts": 32, "num_experts_per_tok": 4, "moe_routed_scaling_factor": 2.5},
                "model.layers.{}.mlp", "gate", "experts.e_score_correction_bias"),
+    # only the counts: each routing key left out takes vLLM's config class default (DeepSeek-V3's
+    # noaux_tc, sigmoid, renormalised, x2.5; one group)
+    "dots.3-note": ({"model_type": "dots3_note", "architectures": ["Dots3NoteForCausalLM"],
+                     "hidden_size": 256, "n_routed_experts": 32, "num_experts_per_tok": 4},
+                    "model.layers.{}.mlp", "gate", "gate.e_score_correction_bias"),
 }  # fmt: skip
 
 
@@ -605,7 +610,8 @@ def test_the_audit_routes_each_new_family_from_its_checkpoint(tmp_path, family):
         "axk1": 2.5,
         "afmoe": 2.0,
         "sarvam-mla": 2.5,
-    }  # Sarvam: vLLM's default scale without the key
+        "dots.3-note": 2.5,
+    }  # Sarvam, dots.3-note: vLLM's default scale without the key
     if family in scale:
         assert r["routed_scaling_factor"] == scale[family] and r["renormalize"]
     o = result["overall"]
@@ -649,6 +655,9 @@ SOFTMAX_CHECKPOINTS = {
     "step-3": ({"model_type": "step3_text", "architectures": ["Step3TextForCausalLM"], "hidden_size": 256,
                 "moe_num_experts": 32, "moe_top_k": 3, "norm_expert_weight": True},
                "model.layers.{}.moe.gate", True),
+    "qwen4-exp": ({"model_type": "qwen4_exp", "architectures": ["Qwen4ExpForCausalLM"], "hidden_size": 256,
+                   "num_experts": 32, "num_experts_per_tok": 8, "norm_topk_prob": True},
+                  "model.layers.{}.mlp.gate", True),
 }  # fmt: skip
 
 

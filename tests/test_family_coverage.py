@@ -57,7 +57,7 @@ def test_each_family_says_how_it_is_routed_and_the_references_read_it():
     renorm = {"gpt_oss": True, "mixtral": True, "minicpm": True, "granitemoe": True}
     plain = dict.fromkeys(
         ("qwen3_moe", "qwen3_vl_moe_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen2_moe",
-         "olmoe", "jamba", "step3_text", "mistral4"),
+         "olmoe", "jamba", "step3_text", "mistral4", "qwen4_exp", "qwen4_exp_text"),
         False,
     )  # fmt: skip
     assert routing_fp64.SOFTMAX_TOP_K == plain | renorm

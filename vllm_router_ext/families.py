@@ -384,7 +384,8 @@ FAMILIES: tuple[MoeFamily, ...] = (
               _REF.format("mistral4", _IN_MODEL_DTYPE),
               drafts=("MistralLarge4DSparkModel",), model_types=("mistral4",), routing="softmax_topk"),
     MoeFamily("Qwen4-Exp", ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration"), None,
-              _REF.format("qwen4_exp", _IN_MODEL_DTYPE), drafts=("Qwen4ExpMTP",)),
+              _REF.format("qwen4_exp", _IN_MODEL_DTYPE), drafts=("Qwen4ExpMTP",),
+              model_types=("qwen4_exp", "qwen4_exp_text"), routing="softmax_topk"),
     MoeFamily("Flint", ("FlintForCausalLM",), None, _NO_REFERENCE.format("a model-dtype"),
               bypassed_by=("flint_kernels",), model_types=("flint",), routing="scored_topk",
               keys=RoutingKeys(score="router_score_function")),
@@ -395,9 +396,12 @@ FAMILIES: tuple[MoeFamily, ...] = (
               routing="sigmoid_bias",
               keys=RoutingKeys(renormalize=None, groups=None, score=None, weight_scale="output_multiplier",
                                bias=("{gate}.e_score_correction_bias", "expert_bias"))),
+    # vLLM's config class is DeepSeek-V3's with one expert group: a key the checkpoint leaves out
+    # takes V3's default (noaux_tc, sigmoid, renormalised, scale 2.5), the groups one.
     MoeFamily("dots.3-note", ("Dots3NoteForCausalLM",), None,
               _NO_REFERENCE.format("DeepSeek-V3.2's MoE block with a model-dtype"),
-              drafts=("Dots3NoteMTPModel",)),
+              drafts=("Dots3NoteMTPModel",), model_types=("dots3_note",), routing="sigmoid_bias",
+              keys=RoutingKeys(bias_if=("topk_method", "noaux_tc"), scale_default=2.5)),
     MoeFamily("Transformers backend (MoE)", ("TransformersMoEForCausalLM",
               "TransformersMultiModalMoEForCausalLM", "TransformersMoEEmbeddingModel",
               "TransformersMoEForSequenceClassification", "FlexOlmoForCausalLM", "HunYuanMoEV1ForCausalLM",
