@@ -136,6 +136,8 @@ SPECS: dict[str, Spec] = {
     # MTP draft keeps vLLM's own routing precision beside an fp32 target when asked.
     "v4-auto": Spec(V4, dummy=True),
     "v4-bf16-fp32out": Spec(V4, ("--router-precision", "bf16-fp32out"), "bf16-fp32out", dummy=True),
+    # bf16 logits into V4's routing, which vLLM declares fp32 (its gate's out_dtype)
+    "v4-bf16": Spec(V4, ("--router-precision", "bf16"), "bf16", dummy=True),
     "v4-mtp-draft": Spec(
         V4,
         (*MTP, "--router-precision-draft", "bf16-fp32out"),
@@ -151,6 +153,7 @@ SPECS: dict[str, Spec] = {
     "v41-bf16-fp32out": Spec(
         V41, (*V41_SERVE_ARGS, "--router-precision", "bf16-fp32out"), "bf16-fp32out", dummy=True
     ),
+    "v41-bf16": Spec(V41, (*V41_SERVE_ARGS, "--router-precision", "bf16"), "bf16", dummy=True),
 }
 #: Served with vLLM's JIT monitor logging every compile after its warm-up (where vLLM has it).
 #: Not its error mode: vLLM's own fused-MoE Triton kernel compiles per new batch size on these
