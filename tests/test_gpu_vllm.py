@@ -90,15 +90,20 @@ class Spec:
     env: dict = field(default_factory=dict)
     draft: str | None = None  # the precision the MTP draft's gates run, where not ``expect``
     dummy: bool = False  # served with ``--load-format dummy`` (a config and tokenizer only)
+    config: dict = field(default_factory=dict)  # DeepSeek-V4 config keys beside the tiny sizes
 
     def expect_of(self, gate: str) -> str:
         """The precision of a tapped gate (``target:...`` / ``draft:...``) or a precision line's model."""
-        return self.draft if self.draft and ("draft" in gate or "MTP" in gate) else self.expect
+        drafted = any(mark in gate for mark in ("draft", "MTP", "DSpark"))
+        return self.draft if self.draft and drafted else self.expect
 
 
 V4 = "deepseek-v4"  # served from a config alone (build_tiny_deepseek_v4), with dummy weights
 V41 = "deepseek-v4.1"  # the same sizes in V4.1's layout (vLLM's ``vllm/models/deepseek_v41``), bf16 experts
 MTP = ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1}))
+DSPARK = ("--speculative-config", json.dumps({"method": "dspark", "num_speculative_tokens": 4}))
+#: A DSpark draft of one stage inside the checkpoint: the target layers it reads, its Markov head.
+DSPARK_CONFIG = {"dspark_target_layer_ids": [1, 3], "dspark_markov_rank": 64, "block_size": 4}
 SPECS: dict[str, Spec] = {
     "v3-auto": Spec("deepseek-v3"),
     "v3-fp32": Spec("deepseek-v3", ("--router-precision", "fp32")),
@@ -154,6 +159,15 @@ SPECS: dict[str, Spec] = {
         V41, (*V41_SERVE_ARGS, "--router-precision", "bf16-fp32out"), "bf16-fp32out", dummy=True
     ),
     "v41-bf16": Spec(V41, (*V41_SERVE_ARGS, "--router-precision", "bf16"), "bf16", dummy=True),
+    # V4.1's DSpark draft (its stages' MoE layers) at its own precision beside the fp32 target.
+    "v41-dspark-draft": Spec(
+        V41,
+        (*V41_SERVE_ARGS, *DSPARK, "--router-precision-draft", "bf16-fp32out"),
+        mtp=1,
+        draft="bf16-fp32out",
+        dummy=True,
+        config=DSPARK_CONFIG,
+    ),
 }
 #: Served with vLLM's JIT monitor logging every compile after its warm-up (where vLLM has it).
 #: Not its error mode: vLLM's own fused-MoE Triton kernel compiles per new batch size on these
@@ -192,7 +206,7 @@ class Servers:
             if spec.model in (V4, V41):
                 extra = {"v41": True, "expert_dtype": "bf16"} if spec.model == V41 else {}
                 self.models[name] = build_tiny_deepseek_v4(
-                    root / f"ckpt-{name}", mtp_layers=spec.mtp, **extra
+                    root / f"ckpt-{name}", mtp_layers=spec.mtp, **extra, **spec.config
                 )
                 continue
             if spec.model in FAMILY_PRESETS:
