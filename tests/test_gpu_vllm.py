@@ -102,8 +102,12 @@ V4 = "deepseek-v4"  # served from a config alone (build_tiny_deepseek_v4), with 
 V41 = "deepseek-v4.1"  # the same sizes in V4.1's layout (vLLM's ``vllm/models/deepseek_v41``), bf16 experts
 MTP = ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1}))
 DSPARK = ("--speculative-config", json.dumps({"method": "dspark", "num_speculative_tokens": 4}))
-#: A DSpark draft of one stage inside the checkpoint: the target layers it reads, its Markov head.
-DSPARK_CONFIG = {"dspark_target_layer_ids": [1, 3], "dspark_markov_rank": 64, "block_size": 4}
+#: A DSpark draft of one stage inside the checkpoint: the target layers it reads, its Markov head,
+#: the token its query block is filled with (an unused id of the tiny tokenizer).
+DSPARK_CONFIG = {
+    "dspark_target_layer_ids": [1, 3], "dspark_markov_rank": 64, "block_size": 4,
+    "dspark_noise_token_id": 129270,
+}  # fmt: skip
 SPECS: dict[str, Spec] = {
     "v3-auto": Spec("deepseek-v3"),
     "v3-fp32": Spec("deepseek-v3", ("--router-precision", "fp32")),
@@ -141,8 +145,6 @@ SPECS: dict[str, Spec] = {
     # MTP draft keeps vLLM's own routing precision beside an fp32 target when asked.
     "v4-auto": Spec(V4, dummy=True),
     "v4-bf16-fp32out": Spec(V4, ("--router-precision", "bf16-fp32out"), "bf16-fp32out", dummy=True),
-    # bf16 logits into V4's routing, which vLLM declares fp32 (its gate's out_dtype)
-    "v4-bf16": Spec(V4, ("--router-precision", "bf16"), "bf16", dummy=True),
     "v4-mtp-draft": Spec(
         V4,
         (*MTP, "--router-precision-draft", "bf16-fp32out"),
@@ -158,7 +160,6 @@ SPECS: dict[str, Spec] = {
     "v41-bf16-fp32out": Spec(
         V41, (*V41_SERVE_ARGS, "--router-precision", "bf16-fp32out"), "bf16-fp32out", dummy=True
     ),
-    "v41-bf16": Spec(V41, (*V41_SERVE_ARGS, "--router-precision", "bf16"), "bf16", dummy=True),
     # V4.1's DSpark draft (its stages' MoE layers) at its own precision beside the fp32 target.
     "v41-dspark-draft": Spec(
         V41,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata as md
 import json
+import re
 import subprocess
 import sys
 
@@ -91,7 +92,6 @@ def gate_architectures() -> dict[str, str]:
     """Every registry architecture of the installed vLLM that may build a ``GateLinear``, with
     where: a ``model_executor/models`` module that builds one; a ``vllm/models/<name>`` package
     (any vendor) that builds one or imports a module that does; a Transformers-backend MoE class."""
-    import re
     from pathlib import Path
 
     import vllm
@@ -146,6 +146,96 @@ def test_every_model_vllm_builds_with_a_gate_linear_is_covered(vllm_dist):
         assert cls.__mro__[1] is RouterPrecisionMixin, arch
         loaded += 1
     assert loaded >= 0.75 * len(found), (loaded, len(found))
+
+
+#: A ``GateLinear(...)`` whose logits are fp32 whatever the config says: an fp32 ``out_dtype``, an fp32
+#: weight, or fp32 compute forced.
+_FP32_GATE = re.compile(
+    r"out_dtype\s*=\s*torch\.float32|params_dtype\s*=\s*torch\.float32|force_fp32_compute\s*=\s*True"
+)
+
+
+def _gate_calls(text: str) -> list[str]:
+    calls = []
+    for m in re.finditer(r"\bGateLinear\(", text):
+        end, depth = m.end(), 1
+        while depth and end < len(text):
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            end += 1
+        calls.append(text[m.start() : end])
+    return calls
+
+
+def _gate_calls_of(where: str) -> list[str]:
+    """The ``GateLinear`` calls that build an architecture's gates (:func:`gate_architectures`'
+    ``where``): its module's, its package's, or, for a package that builds none itself, those of
+    the packages and modules it imports its MoE block from."""
+    from pathlib import Path
+
+    import vllm
+
+    root = Path(vllm.__file__).parent
+    if where.startswith("vllm.model_executor.models."):
+        return _gate_calls(
+            (root / "model_executor" / "models" / f"{where.split('.')[-1]}.py").read_text("utf-8")
+        )
+    if not where.startswith("vllm.models."):
+        return []  # the Transformers backend: the dtype it traces at
+    texts = [f.read_text("utf-8") for f in (root / "models" / where.split(".")[2]).rglob("*.py")]
+    own = [c for t in texts for c in _gate_calls(t)]
+    if own:
+        return own
+    packages = {p for t in texts for p in re.findall(r"from vllm\.models\.(\w+)", t)}
+    modules = {m for t in texts for m in re.findall(r"from vllm\.model_executor\.models\.(\w+) import", t)}
+    files = [f for p in packages for f in (root / "models" / p).rglob("*.py")]
+    files += [f for m in modules if (f := root / "model_executor" / "models" / f"{m}.py").exists()]
+    return [c for f in files for c in _gate_calls(f.read_text("utf-8"))]
+
+
+def test_a_gate_built_for_fp32_logits_refuses_bf16_with_one_line(vllm_dist):
+    """A model that builds its gate with fp32 logits (or an fp32 weight) routes on them: ``bf16``
+    stops the build, naming the gate, the source and the allowed values; the other modes build."""
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from vllm_router_ext.layers.gate import GateSettingsError, router_settings_scope
+
+    def build(precision: RouterPrecision, **kw):
+        settings = RouterSettings(precision, "VLLM_ROUTER_PRECISION", model="Some-MoE (SomeMoeForCausalLM)")
+        with set_default_torch_dtype(torch.bfloat16), router_settings_scope(settings):
+            return GateLinear(64, 8, prefix=PREFIX, **kw)
+
+    for kw in ({"out_dtype": torch.float32}, {"params_dtype": torch.float32, "out_dtype": torch.float32}):
+        with pytest.raises(GateSettingsError) as e:
+            build(RouterPrecision.BF16, **kw)
+        assert str(e.value) == (
+            f"vllm-router-ext: Some-MoE (SomeMoeForCausalLM) routes on fp32 logits (its gate {PREFIX} asks "
+            "for them), so router precision bf16 (from VLLM_ROUTER_PRECISION) cannot apply; allowed for this "
+            "model: auto, fp32, bf16-fp32out"
+        )
+        for precision in (RouterPrecision.FP32, RouterPrecision.BF16_FP32OUT):
+            assert build(precision, **kw).router_precision is precision
+    assert build(RouterPrecision.BF16).router_precision is RouterPrecision.BF16  # a bf16-logit gate
+
+
+def test_the_families_refused_bf16_before_the_engine_are_those_whose_vllm_gates_give_fp32(vllm_dist):
+    """A family marked ``fp32_logits`` (``bf16`` refused where the engine starts) is one whose every
+    gate architecture in the installed vLLM builds its ``GateLinear`` with fp32 logits whatever the
+    config says, and every such family is marked."""
+    from vllm_router_ext.families import FAMILIES, family_of
+
+    fp32: dict[str, list[bool]] = {}
+    for arch, where in gate_architectures().items():
+        if arch not in DENSE_IN_ROUTER_FILES:
+            calls = _gate_calls_of(where)
+            fp32.setdefault(family_of(arch).name, []).append(
+                bool(calls) and all(map(_FP32_GATE.search, calls))
+            )
+    marked = [f.name for f in FAMILIES if f.fp32_logits and f.name in fp32]
+    assert len(marked) >= 12, marked
+    for family in FAMILIES:
+        if family.name in fp32:
+            assert family.fp32_logits == all(fp32[family.name]), (family.name, fp32[family.name])
 
 
 def test_gate_linear_is_ours_once_a_model_needs_it_and_a_second_replacement_is_named(vllm_dist):

@@ -279,7 +279,15 @@ BAD_SETTINGS = {
         {"VLLM_ROUTER_EXT_TABLE": "bogus"}, None, (),
         "VLLM_ROUTER_EXT_TABLE='bogus' is not a tuned table; allowed: none, nvidia_h200",
     ),
+    "bf16 where the routing reads fp32": (
+        {"VLLM_ROUTER_PRECISION": "bf16"}, None, (),
+        "DeepSeek-V4 (DeepseekV4ForCausalLM) routes on fp32 logits (vLLM builds its gates with fp32 "
+        "logits), so router precision bf16 (from environment variable VLLM_ROUTER_PRECISION) cannot "
+        "apply; allowed for this model: auto, fp32, bf16-fp32out",
+    ),
 }  # fmt: skip
+#: The cases served from a tiny DeepSeek-V4 (a family whose vLLM gates give fp32 logits).
+ON_V4 = {"bf16 where the routing reads fp32"}
 
 
 @pytest.mark.vllm
@@ -291,11 +299,15 @@ def test_a_bad_setting_from_any_source_stops_vllm_serve_before_the_engine_with_o
     import json
     import time
 
+    from vllm_router_ext.tools.tiny_checkpoint import build_tiny_deepseek_v4
+
+    v4 = build_tiny_deepseek_v4(tmp_path / "tiny-v4")
+
     def start(case: str):
         env_extra, extra, flags, _ = BAD_SETTINGS[case]
         work = tmp_path / case.replace(" ", "-")
         env = {**cpu_env(work), **{k: v.format(tmp=work) for k, v in env_extra.items()}}
-        args = [*vllm_command(), "serve", str(tiny_model), *flags]
+        args = [*vllm_command(), "serve", str(v4 if case in ON_V4 else tiny_model), *flags]
         if extra is not None:
             text = json.dumps({k: v.format(tmp=work) if isinstance(v, str) else v for k, v in extra.items()})
             args += ["--additional-config", text]

@@ -212,11 +212,13 @@ def check_settings(vllm_config: Any) -> None:
     """Every router setting of the engine about to start, from every source, as each model's build
     would resolve it: unknown ``router_*`` keys, every precision source (the target's and a draft's),
     batch invariance, the capture (its directory, budget values, ``--enforce-eager``), the kernel
-    table, a routing path that skips the gate. Raises ValueError with one line."""
+    table, a routing path that skips the gate, bf16 logits where the family routes on fp32 ones.
+    Raises ValueError with one line."""
     from vllm_router_ext.models.override import _capture_settings, _unless_bypassed
     from vllm_router_ext.precision import (
         CHECKED_KEY,
         DRAFT_CONFIG_KEY,
+        check_family_logits,
         resolve_draft_precision,
         resolve_router_settings,
     )
@@ -231,6 +233,7 @@ def check_settings(vllm_config: Any) -> None:
     for role, config in models.items():
         arch = (getattr(config.model_config.hf_config, "architectures", None) or [None])[0]
         settings = resolve_router_settings(config, draft=role == "draft")
+        check_family_logits(settings, arch)
         capture = _capture_settings(config, role == "draft")
         if capture is not None:
             _check_capture_floor(capture, config.model_config.hf_config)

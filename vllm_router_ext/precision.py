@@ -338,6 +338,24 @@ def resolve_router_settings(vllm_config: Any, *, draft: bool | None = None) -> R
     )
 
 
+def refuse_bf16_logits(settings: RouterSettings, why: str) -> None:
+    """A model whose routing reads fp32 logits (``why`` says what asks for them) takes no bf16 ones."""
+    if settings.precision is not RouterPrecision.BF16:
+        return
+    allowed = [p.value for p in RouterPrecision if p is not RouterPrecision.BF16]
+    raise ValueError(
+        f"vllm-router-ext: {settings.model} routes on fp32 logits ({why}), so router precision bf16 "
+        f"(from {settings.source}) cannot apply; allowed for this model: {', '.join(allowed)}"
+    )
+
+
+def check_family_logits(settings: RouterSettings, architecture: str | None) -> None:
+    """Before any engine starts: ``bf16`` on a family whose vLLM port builds fp32-logit gates."""
+    family = family_of(architecture)
+    if family is not None and family.fp32_logits:
+        refuse_bf16_logits(settings, "vLLM builds its gates with fp32 logits")
+
+
 def bf16_round_trip_exact(weight: torch.Tensor) -> bool:
     """True when every value of ``weight`` survives a round trip through bf16 unchanged."""
     if weight.dtype == torch.bfloat16:

@@ -26,6 +26,7 @@ from vllm_router_ext.precision import (
     RouterPrecision,
     RouterSettings,
     bf16_round_trip_exact,
+    refuse_bf16_logits,
 )
 
 # Under "vllm." so vLLM's handlers and format apply.
@@ -319,14 +320,12 @@ def stock_precision(
 
 def check_logits_dtype(settings: RouterSettings, stock: RouterPrecision, prefix: str) -> None:
     """A gate whose model asks for fp32 logits (its routing reads them) takes no bf16 logits."""
-    if stock is RouterPrecision.BF16 or settings.precision is not RouterPrecision.BF16:
+    if stock is RouterPrecision.BF16:
         return
-    allowed = [p.value for p in RouterPrecision if p is not RouterPrecision.BF16]
-    raise GateSettingsError(
-        f"vllm-router-ext: {settings.model} routes on fp32 logits (its gate {prefix or '(unnamed)'} "
-        f"asks for them), so router precision bf16 (from {settings.source}) cannot apply; allowed "
-        f"for this model: {', '.join(allowed)}"
-    )
+    try:
+        refuse_bf16_logits(settings, f"its gate {prefix or '(unnamed)'} asks for them")
+    except ValueError as e:
+        raise GateSettingsError(str(e)) from None
 
 
 class GateSettingsError(ValueError):
