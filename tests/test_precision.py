@@ -91,6 +91,43 @@ def test_auto_follows_each_familys_reference():
     assert p is None and "not in the family table" in src
 
 
+def test_where_vllm_rounds_the_logits_to_the_model_dtype_auto_keeps_its_gate_and_fp32_is_refused():
+    """Bailing V1-V2.5 and Param2-MoE round the gate's logits to bf16 before routing: ``auto`` keeps
+    vLLM's gate there (Bailing V3 routes on them: fp32); an fp32-output mode stops the start-up with
+    one line naming the model, the source and what it allows; ``bf16`` applies unless the gate is
+    fp32 (Param2-MoE: only ``auto``)."""
+    from vllm_router_ext.families import family_of
+    from vllm_router_ext.precision import RouterSettings, check_family_logits
+
+    for arch in ("BailingMoeV2ForCausalLM", "BailingMoeV2_5ForCausalLM", "Param2MoEForCausalLM"):
+        p, src, _ = resolve_router_precision(architecture=arch)
+        name = family_of(arch).name
+        assert p is None and src == f"auto: {name} rounds its gate's logits to the model dtype ({arch})"
+    assert resolve_router_precision(architecture="BailingMoeV3ForCausalLM")[0] is RouterPrecision.FP32
+
+    def settings(precision, arch):
+        return RouterSettings(RouterPrecision(precision), "--router-precision", model=f"M ({arch})")
+
+    for precision in ("fp32", "bf16-fp32out"):
+        with pytest.raises(ValueError) as e:
+            check_family_logits(settings(precision, "BailingMoeV2ForCausalLM"), "BailingMoeV2ForCausalLM")
+        assert str(e.value) == (
+            f"vllm-router-ext: router precision {precision} (from --router-precision) cannot apply to M "
+            "(BailingMoeV2ForCausalLM): vLLM rounds its gate's logits to the model dtype before routing "
+            "(router_logits.to(hidden_states.dtype)), so no fp32 logits reach the choice of experts; "
+            "allowed for this model: auto, bf16"
+        )
+        check_family_logits(settings(precision, "BailingMoeV3ForCausalLM"), "BailingMoeV3ForCausalLM")
+    check_family_logits(settings("bf16", "BailingMoeV2ForCausalLM"), "BailingMoeV2ForCausalLM")
+    with pytest.raises(ValueError, match="allowed for this model: auto$"):
+        check_family_logits(settings("bf16", "Param2MoEForCausalLM"), "Param2MoEForCausalLM")
+    with pytest.raises(
+        ValueError, match="routes on fp32 logits .* allowed for this model: auto, fp32, bf16-"
+    ):
+        check_family_logits(settings("bf16", "DeepseekV4ForCausalLM"), "DeepseekV4ForCausalLM")
+    check_family_logits(RouterSettings(None, "auto"), "Param2MoEForCausalLM")
+
+
 def test_every_family_names_a_reference_that_says_what_auto_runs():
     """Each family's reference file exists in the installed transformers, and an fp32 ``auto``
     comes with an fp32 router line in it."""

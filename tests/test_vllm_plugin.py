@@ -166,30 +166,54 @@ def _gate_calls(text: str) -> list[str]:
     return calls
 
 
-def _gate_calls_of(where: str) -> list[str]:
-    """The ``GateLinear`` calls that build an architecture's gates (:func:`gate_architectures`'
-    ``where``): its module's, its package's, or, for a package that builds none itself, those of
-    the packages and modules it imports its MoE block from."""
+def _sources_of(where: str) -> list[str]:
+    """The source that builds an architecture's gates (:func:`gate_architectures`' ``where``): its
+    module, its package, or, for a package that builds none itself, the packages and modules it
+    imports its MoE block from."""
     from pathlib import Path
 
     import vllm
 
     root = Path(vllm.__file__).parent
     if where.startswith("vllm.model_executor.models."):
-        return _gate_calls(
-            (root / "model_executor" / "models" / f"{where.split('.')[-1]}.py").read_text("utf-8")
-        )
+        return [(root / "model_executor" / "models" / f"{where.split('.')[-1]}.py").read_text("utf-8")]
     if not where.startswith("vllm.models."):
-        return []  # the Transformers backend: the dtype it traces at
+        return []  # the Transformers backend: the model's own modeling file, at the dtype it traces
     texts = [f.read_text("utf-8") for f in (root / "models" / where.split(".")[2]).rglob("*.py")]
-    own = [c for t in texts for c in _gate_calls(t)]
-    if own:
-        return own
+    if any(_gate_calls(t) for t in texts):
+        return texts
     packages = {p for t in texts for p in re.findall(r"from vllm\.models\.(\w+)", t)}
     modules = {m for t in texts for m in re.findall(r"from vllm\.model_executor\.models\.(\w+) import", t)}
     files = [f for p in packages for f in (root / "models" / p).rglob("*.py")]
     files += [f for m in modules if (f := root / "model_executor" / "models" / f"{m}.py").exists()]
-    return [c for f in files for c in _gate_calls(f.read_text("utf-8"))]
+    return [f.read_text("utf-8") for f in files]
+
+
+def _gate_calls_of(where: str) -> list[str]:
+    return [c for t in _sources_of(where) for c in _gate_calls(t)]
+
+
+#: A forward that rounds the gate's logits to the model dtype before the routing reads them.
+_ROUNDS_LOGITS = re.compile(r"router_logits\s*=\s*router_logits\.to\(hidden_states\.dtype\)")
+
+
+def test_the_architectures_whose_logits_vllm_rounds_before_routing_are_marked(vllm_dist):
+    """A family's ``rounds_logits`` are exactly its architectures whose vLLM source rounds the
+    gate's logits to the model dtype before routing; a family all of whose architectures do keeps
+    vLLM's gate under ``auto``."""
+    from vllm_router_ext.families import FAMILIES, family_of
+
+    rounded: dict[str, dict[str, bool]] = {}
+    for arch, where in gate_architectures().items():
+        if arch not in DENSE_IN_ROUTER_FILES:
+            rounds = any(_ROUNDS_LOGITS.search(t) for t in _sources_of(where))
+            rounded.setdefault(family_of(arch).name, {})[arch] = rounds
+    assert any(any(by_arch.values()) for by_arch in rounded.values())
+    for family in FAMILIES:
+        by_arch = rounded.get(family.name, {})
+        assert {a for a, r in by_arch.items() if r} == set(family.rounds_logits) & set(by_arch), family.name
+        if family.rounds_logits and set(family.rounds_logits) == set(family.architectures):
+            assert family.auto is None, family.name
 
 
 def test_a_gate_built_for_fp32_logits_refuses_bf16_with_one_line(vllm_dist):

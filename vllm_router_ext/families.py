@@ -114,6 +114,10 @@ class MoeFamily:
     #: vLLM's port builds every gate of the family with fp32 logits (an fp32 ``out_dtype`` or weight):
     #: its routing reads them, so ``bf16`` is refused before the engine starts.
     fp32_logits: bool = False
+    #: Its architectures whose vLLM forward rounds the gate's logits to the model dtype before the
+    #: routing reads them (``router_logits.to(hidden_states.dtype)``): no fp32 logits reach the
+    #: choice of experts, so ``auto`` keeps vLLM's gate there and fp32 logits are refused.
+    rounds_logits: tuple[str, ...] = ()
     #: The tiny checkpoint the tests build of the family: (its name, the Hugging Face config
     #: beside a tiny body); None: none, or built from its releases' :attr:`Release.tiny`.
     tiny: tuple[str, dict[str, Any]] | None = field(default=None, compare=False, hash=False)
@@ -124,6 +128,7 @@ _IN_FP32 = "F.linear(hidden_states.float(), weight.float())"
 _IN_MODEL_DTYPE = "F.linear(hidden_states, weight) in the model dtype"
 _IN_FP32_WEIGHT = "F.linear(hidden_states.to(weight.dtype), weight), an fp32 weight"
 _LINEAR = "nn.Linear router in the model dtype"
+_ROUNDED = "vLLM's forward{} rounds the logits to the model dtype before routing, so `auto` keeps its gate"
 _NO_REFERENCE = "no reference modeling file read; vLLM's port builds {} gate"
 _CPU_GPU_BUILT = ("CPU build", "GPU", "construction")
 _CPU_BUILT = ("CPU build", "construction")
@@ -181,6 +186,32 @@ _QWEN3_NEXT = dict(model_type="qwen3_next", num_experts_per_tok=10, norm_topk_pr
 _GPT_OSS = dict(model_type="gpt_oss", num_experts_per_tok=4)
 _MIXTRAL = dict(model_type="mixtral", num_experts_per_tok=2)
 _LLAMA4 = dict(model_type="llama4_text", num_experts_per_tok=1)
+#: The releases of the families in vLLM's model packages: each gate's shape and routing keys as
+#: transformers 5.22's config class defaults them (its docs name the release they resemble).
+_KIMI_LINEAR = Release("Kimi-Linear-48B-A3B", 2304, 256,
+                       dict(model_type="kimi_linear", num_experts_per_token=8, moe_renormalize=True,
+                            num_expert_group=1, topk_group=1, routed_scaling_factor=2.446))
+_MINIMAX_M3 = Release("MiniMax-M3", 6144, 128,
+                      dict(model_type="minimax_m3_vl_text", num_experts_per_tok=4, routed_scaling_factor=2.0))
+_GLM5_NEXT = Release("GLM-5.3-Flash", 4096, 288,
+                     dict(model_type="glm5_next_text", num_experts_per_tok=8, n_group=1, topk_group=1,
+                          norm_topk_prob=True, routed_scaling_factor=2.5))
+_HY_V4 = Release("Hy4-preview", 2816, 256,
+                 dict(model_type="hy_v4", num_experts_per_tok=8, norm_topk_prob=True,
+                      routed_scaling_factor=2.827))
+_MISTRAL4 = Release("Mistral-Small-4-119B", 4096, 128,
+                    dict(model_type="mistral4", num_experts_per_tok=4, n_group=1, topk_group=1,
+                         norm_topk_prob=True, routed_scaling_factor=1.0), shape_of="Qwen3-235B-A22B")
+_QWEN4_EXP = Release("Qwen4-Exp", 2048, 512,
+                     dict(model_type="qwen4_exp_text", num_experts_per_tok=10, norm_topk_prob=True),
+                     shape_of="Qwen3-Next-80B")
+_MUSE_SPARK = Release("Muse-Spark-Open-816B-A42B", 8192, 256,
+                      dict(model_type="muse_spark_text", num_experts_per_tok=8, routed_scaling_factor=1.0,
+                           output_multiplier=0.1767766952966369))
+_BEAM = Release("Beam-1.0-501B-A23B", 5120, 256,
+                dict(model_type="beam", num_experts_per_tok=8, n_group=8, topk_group=4, norm_topk_prob=True,
+                     routed_scaling_factor=2.5))
+_FLINT = Release("Flint", 2048, 256, dict(model_type="flint", num_experts_per_tok=6, norm_topk_prob=True))
 
 #: StepFun's routing keys (Step-3.5, Step-5): its own names for DeepSeek-V3's noaux_tc on one group.
 _STEP_KEYS = RoutingKeys(renormalize="norm_expert_weight", groups=None, scale="moe_router_scaling_factor",
@@ -265,12 +296,16 @@ FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("A.X K1", ("AXK1ForCausalLM",), FP32, _REF.format("axk1", _IN_FP32), model_types=("axk1",),
               routing="sigmoid_bias", keys=RoutingKeys(bias_if=("topk_method", "noaux_tc"))),
     MoeFamily("Bailing / Ling", ("BailingMoeForCausalLM", "BailingMoeV2ForCausalLM",
-              "BailingMoeV2_5ForCausalLM", "BailingMoeV3ForCausalLM"), FP32, _NO_REFERENCE.format("an fp32")),
+              "BailingMoeV2_5ForCausalLM", "BailingMoeV3ForCausalLM"), FP32,
+              _NO_REFERENCE.format("an fp32") + "; " + _ROUNDED.format(" of V1 to V2.5"),
+              rounds_logits=("BailingMoeForCausalLM", "BailingMoeV2ForCausalLM",
+                             "BailingMoeV2_5ForCausalLM")),
     MoeFamily("Step-3.5", ("Step3p5ForCausalLM",), FP32, _NO_REFERENCE.format("an fp32"),
               drafts=("Step3p5MTP",), model_types=("step3p5",), routing="sigmoid_bias", keys=_STEP_KEYS,
               fp32_logits=True),
-    MoeFamily("Param2-MoE", ("Param2MoEForCausalLM",), FP32, _NO_REFERENCE.format("an fp32"),
-              fp32_logits=True),
+    MoeFamily("Param2-MoE", ("Param2MoEForCausalLM",), None,
+              _NO_REFERENCE.format("an fp32") + "; " + _ROUNDED.format(""),
+              fp32_logits=True, rounds_logits=("Param2MoEForCausalLM",)),
     MoeFamily("AFMoE (Trinity)", ("AfmoeForCausalLM",), FP32, _NO_REFERENCE.format("an fp32"),
               model_types=("afmoe",), routing="sigmoid_bias",
               keys=RoutingKeys(renormalize="route_norm", scale="route_scale", score="score_func",
@@ -289,26 +324,31 @@ FAMILIES: tuple[MoeFamily, ...] = (
               routing="sigmoid_bias",
               keys=RoutingKeys(renormalize="moe_renormalize", groups=("num_expert_group", "topk_group"),
                                grouped="use_grouped_topk", score="moe_router_activation_func"),
-              fp32_logits=True),
+              fp32_logits=True,
+              releases=(_KIMI_LINEAR,)),
     MoeFamily("MiniMax-M3", ("MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration"), FP32,
               _REF.format("minimax_m3_vl", _IN_FP32_WEIGHT),
               drafts=("MiniMaxM3MTP", "DSparkMiniMaxDraftModel"),
               model_types=("minimax_m3_vl", "minimax_m3_vl_text"), routing="sigmoid_bias",
-              keys=RoutingKeys(renormalize=None, groups=None, score=None), fp32_logits=True),
+              keys=RoutingKeys(renormalize=None, groups=None, score=None), fp32_logits=True,
+              releases=(_MINIMAX_M3,)),
     MoeFamily("GLM-5-Next", ("Glm5NextForCausalLM", "Glm5NextForConditionalGeneration"), FP32,
               _REF.format("glm5_next", _IN_FP32), drafts=("Glm5NextMTPModel",), bypassed_by=("mega_moe",),
               model_types=("glm5_next", "glm5_next_text"), routing="sigmoid_bias",
-              keys=RoutingKeys(bias_if=("topk_method", "noaux_tc"))),
+              keys=RoutingKeys(bias_if=("topk_method", "noaux_tc")),
+              releases=(_GLM5_NEXT,)),
     MoeFamily("Hunyuan-V4", ("HYV4ForCausalLM",), FP32, _REF.format("hy_v4", _IN_FP32),
               drafts=("HYV4MTPModel",), model_types=("hy_v4",), routing="sigmoid_bias",
-              keys=RoutingKeys(groups=None, score=None), fp32_logits=True),
+              keys=RoutingKeys(groups=None, score=None), fp32_logits=True,
+              releases=(_HY_V4,)),
     MoeFamily("Step-5", ("Step5ForCausalLM", "Step5ForConditionalGeneration"), FP32,
               _NO_REFERENCE.format("an fp32"), drafts=("Step5MTP",), model_types=("step5", "step5_vl"),
               routing="sigmoid_bias",
               keys=_STEP_KEYS, fp32_logits=True),
     MoeFamily("Beam", ("BeamForCausalLM",), FP32, _NO_REFERENCE.format("an fp32"),
               drafts=("DFlash2BeamDraftModel",), model_types=("beam",), routing="sigmoid_bias",
-              keys=RoutingKeys(score=None), fp32_logits=True),
+              keys=RoutingKeys(score=None), fp32_logits=True,
+              releases=(_BEAM,)),
     MoeFamily("Qwen3-MoE", ("Qwen3MoeForCausalLM", "Qwen3VLMoeForConditionalGeneration"), None,
               _REF.format("qwen3_moe", _IN_MODEL_DTYPE), tested=_CPU_GPU_BUILT,
               model_types=("qwen3_moe", "qwen3_vl_moe_text"), routing="softmax_topk",
@@ -390,20 +430,24 @@ FAMILIES: tuple[MoeFamily, ...] = (
     MoeFamily("Mistral-Large-4", ("MistralLarge4ForCausalLM",), None,
               _REF.format("mistral4", _IN_MODEL_DTYPE),
               drafts=("MistralLarge4DSparkModel",), model_types=("mistral4",), routing="softmax_topk",
-              fp32_logits=True),
+              fp32_logits=True,
+              releases=(_MISTRAL4,)),
     MoeFamily("Qwen4-Exp", ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration"), None,
               _REF.format("qwen4_exp", _IN_MODEL_DTYPE), drafts=("Qwen4ExpMTP",),
-              model_types=("qwen4_exp", "qwen4_exp_text"), routing="softmax_topk"),
+              model_types=("qwen4_exp", "qwen4_exp_text"), routing="softmax_topk",
+              releases=(_QWEN4_EXP,)),
     MoeFamily("Flint", ("FlintForCausalLM",), None, _NO_REFERENCE.format("a model-dtype"),
               bypassed_by=("flint_kernels",), model_types=("flint",), routing="scored_topk",
-              keys=RoutingKeys(score="router_score_function")),
+              keys=RoutingKeys(score="router_score_function"),
+              releases=(_FLINT,)),
     MoeFamily("Muse-Spark", ("MuseSparkForConditionalGeneration",), None,
               _REF.format("muse_spark", _IN_FP32 + " x output_multiplier; vLLM's port already holds "
                           "the router in fp32 (fp32 weight, the multiplier folded in, fp32 logits)"),
               drafts=("MuseSparkDSparkModel",), model_types=("muse_spark", "muse_spark_text"),
               routing="sigmoid_bias",
               keys=RoutingKeys(renormalize=None, groups=None, score=None, weight_scale="output_multiplier",
-                               bias=("{gate}.e_score_correction_bias", "expert_bias"))),
+                               bias=("{gate}.e_score_correction_bias", "expert_bias")),
+              releases=(_MUSE_SPARK,)),
     # vLLM's config class is DeepSeek-V3's with one expert group: a key the checkpoint leaves out
     # takes V3's default (noaux_tc, sigmoid, renormalised, scale 2.5), the groups one.
     MoeFamily("dots.3-note", ("Dots3NoteForCausalLM",), None,

@@ -213,6 +213,8 @@ def resolve_router_precision(
     family = family_of(architecture)
     if family is None:
         return None, f"auto: architecture {architecture} is not in the family table", ()
+    if architecture in family.rounds_logits:
+        return None, f"auto: {family.name} rounds its gate's logits to the model dtype ({architecture})", ()
     if family.auto is None:
         return None, f"auto: {family.name} routes on model-dtype logits ({architecture})", ()
     return RouterPrecision(family.auto), f"auto: architecture {architecture}", ()
@@ -350,9 +352,22 @@ def refuse_bf16_logits(settings: RouterSettings, why: str) -> None:
 
 
 def check_family_logits(settings: RouterSettings, architecture: str | None) -> None:
-    """Before any engine starts: ``bf16`` on a family whose vLLM port builds fp32-logit gates."""
+    """The logits a family's routing reads, checked before any engine starts and as the model is
+    built: no fp32 logits where vLLM rounds them to the model dtype before routing, no ``bf16``
+    where it builds fp32-logit gates."""
     family = family_of(architecture)
-    if family is not None and family.fp32_logits:
+    if family is None or settings.precision is None:
+        return
+    if architecture in family.rounds_logits:
+        allowed = ["auto"] if family.fp32_logits else ["auto", RouterPrecision.BF16.value]
+        if settings.precision.value not in allowed:
+            raise ValueError(
+                f"vllm-router-ext: router precision {settings.precision.value} (from {settings.source}) "
+                f"cannot apply to {settings.model}: vLLM rounds its gate's logits to the model dtype "
+                "before routing (router_logits.to(hidden_states.dtype)), so no fp32 logits reach the "
+                f"choice of experts; allowed for this model: {', '.join(allowed)}"
+            )
+    if family.fp32_logits:
         refuse_bf16_logits(settings, "vLLM builds its gates with fp32 logits")
 
 
