@@ -203,15 +203,17 @@ class RouterCase:
     routing: Routing
 
 
-def router_cases() -> list[RouterCase]:
+def router_cases(gates: set[tuple[int, int]] | None = None) -> list[RouterCase]:
     """Every release of the family table whose routing the routing kernels take, once per distinct
-    gate shape and routing."""
+    gate shape and routing (``gates``: only releases of these (hidden, experts) gates)."""
     from vllm_router_ext.families import FAMILIES
     from vllm_router_ext.ops.routing_fp64 import RoutingConfig
 
     cases: dict = {}
     for family in FAMILIES:
         for release in family.releases:
+            if gates is not None and (release.hidden, release.experts) not in gates:
+                continue
             rc = RoutingConfig.from_hf_config(release.config)
             scoring = Scoring.__members__.get(rc.scoring_func.upper())  # the config's name, the kernel's
             if scoring is None:
@@ -307,8 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--routers",
-        action="store_true",
-        help="also the router op's kernels (routing kernel, fused router) for every released routing",
+        nargs="?",
+        const="all",
+        choices=("all", "shapes"),
+        help="also the router op's kernels (routing kernel, fused router) for every released routing "
+        "('shapes': the releases of this run's gate shapes only)",
     )
     ap.add_argument("--json", type=Path, help="write the per-launch results here")
     args = ap.parse_args(argv)
@@ -322,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [SHAPE_BY_NAME[s] for s in names]
     results = compile_configs(shapes, args.device_name, args.sms, args.arch, progress=True, cases=cases)
     if args.routers:
-        results += compile_routers(router_cases(), args.device_name, args.sms, args.arch, progress=True)
+        gates = {(s.k, s.n) for s in shapes} if args.routers == "shapes" else None
+        results += compile_routers(router_cases(gates), args.device_name, args.sms, args.arch, progress=True)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
     import triton
