@@ -340,12 +340,16 @@ def resolve_router_settings(vllm_config: Any, *, draft: bool | None = None) -> R
     )
 
 
+class GateSettingsError(ValueError):
+    """Router settings a model cannot take; raised while the model is built (start-up)."""
+
+
 def refuse_bf16_logits(settings: RouterSettings, why: str) -> None:
     """A model whose routing reads fp32 logits (``why`` says what asks for them) takes no bf16 ones."""
     if settings.precision is not RouterPrecision.BF16:
         return
     allowed = [p.value for p in RouterPrecision if p is not RouterPrecision.BF16]
-    raise ValueError(
+    raise GateSettingsError(
         f"vllm-router-ext: {settings.model} routes on fp32 logits ({why}), so router precision bf16 "
         f"(from {settings.source}) cannot apply; allowed for this model: {', '.join(allowed)}"
     )
@@ -361,7 +365,7 @@ def check_family_logits(settings: RouterSettings, architecture: str | None) -> N
     if architecture in family.rounds_logits:
         allowed = ["auto"] if family.fp32_logits else ["auto", RouterPrecision.BF16.value]
         if settings.precision.value not in allowed:
-            raise ValueError(
+            raise GateSettingsError(
                 f"vllm-router-ext: router precision {settings.precision.value} (from {settings.source}) "
                 f"cannot apply to {settings.model}: vLLM rounds its gate's logits to the model dtype "
                 "before routing (router_logits.to(hidden_states.dtype)), so no fp32 logits reach the "

@@ -23,6 +23,7 @@ from vllm_router_ext._version import ENTRY_POINT
 from vllm_router_ext.ops.router_gemm import fp32_weight_terms, router_gemm
 from vllm_router_ext.ops.router_gemm_torch import router_gemm_torch
 from vllm_router_ext.precision import (
+    GateSettingsError,
     RouterPrecision,
     RouterSettings,
     bf16_round_trip_exact,
@@ -320,16 +321,8 @@ def stock_precision(
 
 def check_logits_dtype(settings: RouterSettings, stock: RouterPrecision, prefix: str) -> None:
     """A gate whose model asks for fp32 logits (its routing reads them) takes no bf16 logits."""
-    if stock is RouterPrecision.BF16:
-        return
-    try:
+    if stock is not RouterPrecision.BF16:
         refuse_bf16_logits(settings, f"its gate {prefix or '(unnamed)'} asks for them")
-    except ValueError as e:
-        raise GateSettingsError(str(e)) from None
-
-
-class GateSettingsError(ValueError):
-    """Router settings a model cannot take; raised while the model is built (start-up)."""
 
 
 def _all_subclasses(cls: type) -> list[type]:

@@ -105,7 +105,7 @@ class RouterPrecisionMixin:
         arch = (getattr(vllm_config.model_config.hf_config, "architectures", None) or [None])[0]
         draft = type(self) in DRAFT_CLASSES or is_draft(arch)
         settings = resolve_router_settings(vllm_config, draft=draft)
-        _check_family_logits(settings, arch)
+        check_family_logits(settings, arch)  # also where no CLI checked it (offline LLM, other launchers)
         settings = _unless_bypassed(settings, vllm_config, arch)
         capture = _capture_settings(vllm_config, draft)
         if capture is not None:
@@ -230,17 +230,6 @@ def _bypass_error(settings: RouterSettings, key: str):
         f"vllm-router-ext: {asked} cannot apply to {settings.model} with {BYPASSES[key]}, never calling "
         "the gate: turn that path off, or leave the router settings unset (auto keeps vLLM's gate there)"
     )
-
-
-def _check_family_logits(settings: RouterSettings, arch: str | None) -> None:
-    """The start-up's check of the logits the family's routing reads, as the model is built (an
-    engine started without the CLI's check: offline ``LLM``, another launcher)."""
-    from vllm_router_ext.layers.gate import GateSettingsError
-
-    try:
-        check_family_logits(settings, arch)
-    except ValueError as e:
-        raise GateSettingsError(str(e)) from None
 
 
 def _unless_bypassed(settings: RouterSettings, vllm_config, arch: str | None) -> RouterSettings:
