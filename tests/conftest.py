@@ -46,6 +46,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+    # The compile checks last: their runs, started at collection, then compile beside the whole suite
+    # (its tests leave a core idle) instead of being waited for in the middle of it.
+    items.sort(key=lambda item: item.path.name == "test_kernels_compile.py")
     if config.getoption("--shard"):
         index, count = (int(v) for v in config.getoption("--shard").split("/"))
         if not 0 <= index < count:
